@@ -1,0 +1,56 @@
+"""The one place that decides how Pallas kernels are lowered.
+
+Every kernel in this package calls :func:`pallas_call` from here instead of
+``pl.pallas_call`` so that switching a kernel to Mosaic GPU later (or adding a
+Mosaic GPU variant beside the Triton one) touches this file only.
+
+Today we lower through Triton: it runs on jax 0.10.2 and 0.11.2 and, with
+``interpret=True``, on CPU. Triton lowering has no scalar prefetch and no
+scratch, wants power-of-two block shapes, and gathers through index arrays that
+are passed as ordinary inputs. Gathers in interpret mode must index every axis
+with arrays (``ref[rows[:, None], cols[None, :]]``): mixing an index array with
+``pl.ds`` slices is not supported by the interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+load = pltriton.load
+store = pltriton.store
+atomic_add = pltriton.atomic_add
+
+
+@functools.cache
+def default_interpret() -> bool:
+    """Interpret on machines without a GPU (CPU tests and CI)."""
+    return jax.default_backend() != "gpu"
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    return default_interpret() if interpret is None else bool(interpret)
+
+
+def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, interpret=None,
+                num_warps: int = 4, num_stages: int = 2, input_output_aliases=None, name=None):
+    """``pl.pallas_call`` with the Triton lowering selected explicitly."""
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        interpret=resolve_interpret(interpret),
+        input_output_aliases=input_output_aliases or {},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=name,
+    )
+
+
+def any_spec() -> pl.BlockSpec:
+    """A whole-array operand the kernel indexes itself (gathers, page tables)."""
+    return pl.BlockSpec(memory_space=pl.ANY)
