@@ -1,0 +1,269 @@
+"""The unified paged pool: one device array holding every layer's KV cache and every resident adapter's weights.
+
+Layout and addressing are fixed by docs/DESIGN.md: ``array`` is ``[L, num_pages, page_rows, V]`` with
+``page_rows = 2 * n_kv_heads * page_size`` and ``V = head_dim``; a page is either a KV page or an adapter page, the
+same page id in every layer. ``table`` is the device ``AdapterTable`` the LoRA kernels read through.
+
+Both ``array`` and ``table`` are replaced (their old buffers donated) by every load and unload, and the engine
+replaces ``array`` after each step: always read ``pool.array`` / ``pool.table`` afresh, never keep an old reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import math
+from collections.abc import Hashable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.lora_common import AdapterTable
+from slora_jax.engine.page_allocator import ADAPTER, KV, ForeignPage, OutOfPages, PageAllocator, owner_kind
+from slora_jax.lora.pool_rows import AdapterRows
+from slora_jax.model.config import MODULES, ModelConfig
+
+__all__ = ["OutOfPages", "OutOfSlots", "PagedPool", "ResidentAdapter", "max_adapter_vectors"]
+
+
+class OutOfSlots(RuntimeError):
+    """Every adapter slot of the device table is taken; unload (evict) an adapter first."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidentAdapter:
+    """Host-side record of one loaded adapter."""
+
+    name: str
+    slot: int
+    pages: tuple[int, ...]
+    total_vectors: int  # vectors actually used, summed over layers
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_pages(pool: jax.Array, page_ids: jax.Array, page_vectors: jax.Array) -> jax.Array:
+    """Scatter whole pages into every layer in place; page id ``num_pages`` marks bucket padding and is dropped."""
+    return pool.at[:, page_ids].set(page_vectors.astype(pool.dtype), mode="drop")
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_slot(table: AdapterTable, slot, pages, rank, a_off, b_off, scale) -> AdapterTable:
+    """Overwrite one slot's rows of the adapter table (slot is traced, so this compiles once)."""
+    return table._replace(
+        pages=table.pages.at[slot].set(pages),
+        rank=table.rank.at[slot].set(rank),
+        a_off=table.a_off.at[slot].set(a_off),
+        b_off=table.b_off.at[slot].set(b_off),
+        scale=table.scale.at[slot].set(scale),
+    )
+
+
+def max_adapter_vectors(config: ModelConfig, max_rank: int) -> int:
+    """Worst-case vectors of one adapter in one layer: all modules adapted at ``max_rank``."""
+    per_rank = sum(sum(config.module_dims(m)) for m in MODULES) // config.head_dim
+    return max_rank * per_rank
+
+
+class PagedPool:
+    """Owns the pool array, its page allocator and the device adapter table.
+
+    Size it with ``num_pages`` or a ``memory_bytes`` budget (exactly one). ``max_rank`` bounds the pages one adapter
+    may take (``max_pages``, the width of ``table.pages``); ``max_slots`` is how many adapters can be resident.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        page_size: int,
+        max_slots: int,
+        max_rank: int,
+        num_pages: int | None = None,
+        memory_bytes: int | None = None,
+        dtype=jnp.bfloat16,
+    ):
+        if (num_pages is None) == (memory_bytes is None):
+            raise ValueError("give exactly one of num_pages and memory_bytes")
+        if page_size < 1 or max_slots < 1 or max_rank < 1:
+            raise ValueError(f"page_size, max_slots, max_rank must be >= 1 (got {page_size}, {max_slots}, {max_rank})")
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.num_layers = config.num_hidden_layers
+        self.vec = config.head_dim
+        self.page_size = int(page_size)
+        self.page_rows = 2 * config.num_key_value_heads * self.page_size
+        self.page_bytes = self.num_layers * self.page_rows * self.vec * self.dtype.itemsize
+        # One token's K and V in every layer: what a live KV token costs.
+        self.kv_token_bytes = self.page_bytes // self.page_size
+        if num_pages is None:
+            num_pages = int(memory_bytes) // self.page_bytes
+        if num_pages < 1:
+            raise ValueError(f"pool needs at least one page ({self.page_bytes} bytes); got {num_pages} pages")
+        self.num_pages = int(num_pages)
+        self.pool_bytes = self.num_pages * self.page_bytes
+
+        self.max_slots = int(max_slots)
+        self.max_rank = int(max_rank)
+        self.max_pages = math.ceil(max_adapter_vectors(config, self.max_rank) / self.page_rows)
+
+        self.allocator = PageAllocator(self.num_pages)
+        self.array: jax.Array = jnp.zeros((self.num_layers, self.num_pages, self.page_rows, self.vec), self.dtype)
+        n_layers, n_mod, n_slots = self.num_layers, len(MODULES), self.max_slots
+        self.table: AdapterTable = AdapterTable(
+            pages=jnp.zeros((n_slots, self.max_pages), jnp.int32),
+            rank=jnp.zeros((n_slots, n_layers, n_mod), jnp.int32),
+            a_off=jnp.zeros((n_slots, n_layers, n_mod), jnp.int32),
+            b_off=jnp.zeros((n_slots, n_layers, n_mod), jnp.int32),
+            scale=jnp.zeros((n_slots, n_layers, n_mod), jnp.float32),
+        )
+        self.kv_tokens_live = 0  # tokens actually stored in KV pages; the engine keeps this current
+        self._adapters: dict[str, ResidentAdapter] = {}
+        self._free_slots: list[int] = list(range(self.max_slots))  # a heap: lowest slot first
+
+    # ---- adapters -------------------------------------------------------------------------------------------
+
+    def load_adapter(self, name: str, rows: AdapterRows) -> int:
+        """Make ``rows`` resident: allocate pages anywhere, scatter the vectors, fill a table slot; returns the slot.
+
+        Raises :class:`OutOfSlots` / :class:`OutOfPages` (pool, table and books unchanged) when there is no room.
+        """
+        if name in self._adapters:
+            raise ValueError(f"adapter {name!r} is already resident (slot {self._adapters[name].slot})")
+        expect = (self.num_layers, self.vec)
+        if rows.vectors.ndim != 3 or (rows.vectors.shape[0], rows.vectors.shape[2]) != expect:
+            raise ValueError(f"adapter {name!r}: vectors {rows.vectors.shape} do not fit [L, n, V] with (L, V)={expect}")
+        if rows.rank.shape != (self.num_layers, len(MODULES)):
+            raise ValueError(f"adapter {name!r}: rank table {rows.rank.shape} is not [L, {len(MODULES)}]")
+        if rows.max_rank > self.max_rank:
+            raise ValueError(f"adapter {name!r}: rank {rows.max_rank} exceeds the pool's max_rank {self.max_rank}")
+        n_pages = rows.pages_needed(self.page_rows)
+        if n_pages > self.max_pages:
+            raise ValueError(f"adapter {name!r} needs {n_pages} pages; the table holds at most {self.max_pages}")
+        if not self._free_slots:
+            raise OutOfSlots(f"all {self.max_slots} adapter slots are taken; unload one before loading {name!r}")
+
+        pages = self.allocator.alloc(n_pages, (ADAPTER, name))  # raises OutOfPages with nothing changed
+        try:
+            if n_pages:
+                self.array = _write_pages(self.array, *self._stage_pages(rows, pages))
+            slot = self._free_slots[0]
+            page_row = np.zeros(self.max_pages, np.int32)
+            page_row[:n_pages] = pages
+            self.table = _set_slot(self.table, np.int32(slot), page_row, rows.rank, rows.a_off, rows.b_off, rows.scale)
+        except BaseException:
+            self.allocator.free(pages)
+            raise
+        heapq.heappop(self._free_slots)
+        self._adapters[name] = ResidentAdapter(name, slot, tuple(pages), rows.total_vectors)
+        return slot
+
+    def unload_adapter(self, name: str) -> None:
+        """Free the adapter's pages and slot; its table rows are zeroed so a stale slot index contributes nothing."""
+        res = self._adapters.pop(name, None)
+        if res is None:
+            raise KeyError(f"adapter {name!r} is not resident")
+        zeros_i = np.zeros((self.num_layers, len(MODULES)), np.int32)
+        self.table = _set_slot(
+            self.table,
+            np.int32(res.slot),
+            np.zeros(self.max_pages, np.int32),
+            zeros_i,
+            zeros_i,
+            zeros_i,
+            np.zeros((self.num_layers, len(MODULES)), np.float32),
+        )
+        self.allocator.free(res.pages, (ADAPTER, name))
+        heapq.heappush(self._free_slots, res.slot)
+
+    def slot_of(self, name: str) -> int:
+        """Table slot of a resident adapter (KeyError if it is not resident)."""
+        try:
+            return self._adapters[name].slot
+        except KeyError:
+            raise KeyError(f"adapter {name!r} is not resident") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._adapters
+
+    def resident_adapters(self) -> dict[str, int]:
+        """Name -> slot of every resident adapter, in load order."""
+        return {name: res.slot for name, res in self._adapters.items()}
+
+    def adapter_pages(self, name: str) -> tuple[int, ...]:
+        return self._adapters[name].pages
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def can_load(self, rows: AdapterRows) -> bool:
+        """Whether a slot and enough pages are free for ``rows`` right now."""
+        return bool(self._free_slots) and self.allocator.can_alloc(rows.pages_needed(self.page_rows))
+
+    # ---- KV -------------------------------------------------------------------------------------------------
+
+    def alloc_kv_pages(self, n: int, owner: Hashable | None = None) -> list[int]:
+        """Pages for KV of sequence ``owner`` (raises :class:`OutOfPages`, nothing taken, when short)."""
+        return self.allocator.alloc(n, KV if owner is None else (KV, owner))
+
+    def free_kv_pages(self, pages: Iterable[int], owner: Hashable | None = None) -> None:
+        """Return KV pages; refuses adapter pages (and, with ``owner``, other sequences' pages) before freeing any."""
+        pages = list(pages)
+        for p in pages:
+            current = self.allocator.owner_of(p)
+            if current is not None and owner_kind(current) != KV:
+                raise ForeignPage(f"page {p} belongs to {current!r}, not to the KV cache")
+        self.allocator.free(pages, None if owner is None else (KV, owner))
+
+    def can_alloc(self, n: int) -> bool:
+        return self.allocator.can_alloc(n)
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free
+
+    # ---- accounting -----------------------------------------------------------------------------------------
+
+    def stats(self, kv_tokens_live: int | None = None) -> dict[str, float | int]:
+        """Page split and live bytes for metrics; ``kv_tokens_live`` defaults to the ``kv_tokens_live`` attribute."""
+        counts = self.allocator.counts()
+        tokens = self.kv_tokens_live if kv_tokens_live is None else int(kv_tokens_live)
+        if not 0 <= tokens <= counts[KV] * self.page_size:
+            raise ValueError(f"{tokens} live KV tokens cannot fit in {counts[KV]} KV pages of {self.page_size}")
+        kv_live = tokens * self.kv_token_bytes
+        adapter_live = sum(r.total_vectors for r in self._adapters.values()) * self.vec * self.dtype.itemsize
+        live = kv_live + adapter_live
+        return {
+            "num_pages": self.num_pages,
+            "page_bytes": self.page_bytes,
+            "pool_bytes": self.pool_bytes,
+            "pages_kv": counts[KV],
+            "pages_adapter": counts[ADAPTER],
+            "pages_free": counts["free"],
+            "kv_fraction": counts[KV] / self.num_pages,
+            "adapter_fraction": counts[ADAPTER] / self.num_pages,
+            "kv_tokens_live": tokens,
+            "kv_live_bytes": kv_live,
+            "adapter_live_bytes": adapter_live,
+            "live_bytes": live,
+            "utilisation": live / self.pool_bytes,
+            "num_adapters": len(self._adapters),
+            "max_slots": self.max_slots,
+        }
+
+    # ---- helpers --------------------------------------------------------------------------------------------
+
+    def page_bucket(self, n_pages: int) -> int:
+        """Pages per scatter call: next power of two (capped at ``max_pages``) so compiles stay few."""
+        return min(1 << max(n_pages - 1, 0).bit_length(), self.max_pages)
+
+    def _stage_pages(self, rows: AdapterRows, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Host buffers for one scatter: page ids padded with an out-of-range id, vectors padded with zeros."""
+        bucket = self.page_bucket(len(pages))
+        page_ids = np.full(bucket, self.num_pages, np.int32)
+        page_ids[: len(pages)] = pages
+        staged = np.zeros((self.num_layers, bucket * self.page_rows, self.vec), self.dtype)
+        staged[:, : rows.num_vectors] = rows.vectors
+        return page_ids, staged.reshape(self.num_layers, bucket, self.page_rows, self.vec)

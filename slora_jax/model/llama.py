@@ -1,0 +1,127 @@
+"""Functional Llama: Flax linen modules applied with an explicit params pytree, layers run by ``lax.scan``.
+
+The layer does not know where its KV cache lives or where adapter weights come from: both are supplied by a
+``LayerOps`` object (attention + LoRA delta), so the same layer code runs the plain reference (dense cache, stacked
+adapters) and the serving path (unified paged pool, Pallas kernels). ``state`` is whatever the ops keep per step
+(a dense cache, or the pool) and travels in the scan carry so that updates happen in place under donation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+from .rope import apply_rope, rope_cos_sin
+
+
+class LayerOps(Protocol):
+    def lora(self, x: jax.Array, modules: tuple[int, ...], layer: jax.Array, state: Any) -> jax.Array | None:
+        """LoRA delta for ``modules`` (indices into MODULES), [T, sum(d_out)], or None when nothing is adapted."""
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array, state: Any) -> tuple[jax.Array, Any]:
+        """Store k, v ([T, n_kv, hd], rotated) and attend q ([T, n_heads, hd]); returns ([T, n_heads, hd], state)."""
+
+
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],))
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+class Linear(nn.Module):
+    """``x @ kernel`` with kernel [d_in, d_out] and float32 accumulation."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features))
+        return jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _plus(y: jax.Array, delta: jax.Array | None) -> jax.Array:
+    return y if delta is None else (y.astype(jnp.float32) + delta.astype(jnp.float32)).astype(y.dtype)
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, cos, sin, layer, ops: LayerOps, state):
+        cfg = self.cfg
+        t = x.shape[0]
+        nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = RMSNorm(cfg.rms_norm_eps, name="input_layernorm")(x)
+        qkv = _plus(Linear(cfg.q_width + 2 * cfg.kv_width, name="qkv_proj")(h), ops.lora(h, (0, 1, 2), layer, state))
+        q = qkv[:, : cfg.q_width].reshape(t, nq, hd)
+        k = qkv[:, cfg.q_width : cfg.q_width + cfg.kv_width].reshape(t, nkv, hd)
+        v = qkv[:, cfg.q_width + cfg.kv_width :].reshape(t, nkv, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attn, state = ops.attend(q, k, v, layer, state)
+        attn = attn.reshape(t, cfg.q_width).astype(x.dtype)
+        x = x + _plus(Linear(cfg.hidden_size, name="o_proj")(attn), ops.lora(attn, (3,), layer, state))
+        h = RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm")(x)
+        gu = _plus(Linear(2 * cfg.intermediate_size, name="gate_up_proj")(h), ops.lora(h, (4, 5), layer, state))
+        gate, up = gu[:, : cfg.intermediate_size], gu[:, cfg.intermediate_size :]
+        act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+        x = x + _plus(Linear(cfg.hidden_size, name="down_proj")(act), ops.lora(act, (6,), layer, state))
+        return x, state
+
+
+def forward(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array, ops: LayerOps, state: Any,
+            logits_rows: jax.Array | None = None) -> tuple[jax.Array, Any]:
+    """Run the model over a flat batch of tokens.
+
+    tokens, positions: int32 [T]. ``logits_rows`` (int32 [R]) selects the rows whose logits are computed (e.g. the
+    last token of each prompt); None computes all. Returns (logits float32 [R or T, vocab], state).
+    """
+    dtype = params["embed"].dtype
+    x = params["embed"][tokens].astype(dtype)
+    cos, sin = rope_cos_sin(cfg, positions)
+    layer_module = DecoderLayer(cfg)
+
+    def body(carry, layer_in):
+        x, state = carry
+        layer_params, layer = layer_in
+        x, state = layer_module.apply({"params": layer_params}, x, cos, sin, layer, ops, state)
+        return (x, state), None
+
+    layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
+    (x, state), _ = jax.lax.scan(body, (x, state), (params["layers"], layer_ids))
+    if logits_rows is not None:
+        x = x[logits_rows]
+    x = RMSNorm(cfg.rms_norm_eps).apply({"params": params["norm"]}, x)
+    logits = jnp.dot(x, params["lm_head"].astype(x.dtype), preferred_element_type=jnp.float32)
+    return logits, state
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+    """Random params in our layout (for tests that need no checkpoint)."""
+    k_embed, k_layers, k_head = jax.random.split(key, 3)
+    embed = jax.random.normal(k_embed, (cfg.vocab_size, cfg.hidden_size), dtype) * 0.5
+
+    class _Ops:
+        def lora(self, *a):
+            return None
+
+        def attend(self, q, k, v, layer, state):
+            return jnp.repeat(v, cfg.num_attention_heads // cfg.num_key_value_heads, axis=1), state
+
+    def one(k):
+        x = jnp.zeros((1, cfg.hidden_size), dtype)
+        cos, sin = rope_cos_sin(cfg, jnp.zeros((1,), jnp.int32))
+        return DecoderLayer(cfg).init(k, x, cos, sin, 0, _Ops(), None)["params"]
+
+    layers = jax.vmap(one)(jax.random.split(k_layers, cfg.num_hidden_layers))
+    lm_head = embed.T if cfg.tie_word_embeddings else jax.random.normal(k_head, (cfg.hidden_size, cfg.vocab_size)) * 0.05
+    return {"embed": embed, "layers": layers, "norm": {"weight": jnp.ones((cfg.hidden_size,), dtype)},
+            "lm_head": lm_head.astype(dtype)}

@@ -1,0 +1,169 @@
+"""Write random-weight models as real HF checkpoint dirs and random PEFT LoRA adapter dirs (numpy + safetensors).
+
+Tests, the demo and the benchmarks use these instead of downloads. The files are exactly what HF transformers and
+PEFT write, so the real loading code is what gets exercised.
+
+    python -m slora_jax.tools.synth model --preset tiny --out /tmp/tiny
+    python -m slora_jax.tools.synth adapters --model /tmp/tiny --out /tmp/adapters -n 8 --ranks 4,8,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from ..model.config import MODULES, ModelConfig
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def preset_config(name: str) -> dict:
+    path = CONFIG_DIR / f"{name}.json"
+    if not path.exists():
+        known = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+        raise ValueError(f"unknown preset {name!r}; known: {known}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def random_hf_tensors(cfg: ModelConfig, seed: int, dtype=np.float32) -> dict[str, np.ndarray]:
+    """HF-named random weights scaled so activations stay O(1) and logits are peaked (no greedy ties)."""
+    rng = np.random.default_rng(seed)
+
+    def lin(d_out: int, d_in: int) -> np.ndarray:
+        return (rng.standard_normal((d_out, d_in), dtype=np.float32) / math.sqrt(d_in)).astype(dtype)
+
+    def norm(d: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(d, dtype=np.float32)).astype(dtype)
+
+    t = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab_size, cfg.hidden_size), dtype=np.float32)
+         .astype(dtype), "model.norm.weight": norm(cfg.hidden_size)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for m in MODULES:
+            d_in, d_out = cfg.module_dims(m)
+            t[f"{p}{_PARENT[m]}.{m}.weight"] = lin(d_out, d_in)
+        t[p + "input_layernorm.weight"] = norm(cfg.hidden_size)
+        t[p + "post_attention_layernorm.weight"] = norm(cfg.hidden_size)
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = (lin(cfg.vocab_size, cfg.hidden_size) * 2.0).astype(dtype)
+    return t
+
+
+def write_model(out: str | Path, preset: str | dict = "tiny", seed: int = 0, dtype=np.float32,
+                shard_bytes: int | None = None) -> Path:
+    """A random model as an HF dir: config.json + model.safetensors (or shards with an index when large)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_cfg = preset_config(preset) if isinstance(preset, str) else dict(preset)
+    hf_cfg["torch_dtype"] = np.dtype(dtype).name
+    cfg = ModelConfig.from_dict(hf_cfg)
+    tensors = random_hf_tensors(cfg, seed, dtype)
+    with open(out / "config.json", "w") as f:
+        json.dump(hf_cfg, f, indent=2)
+    total = sum(v.nbytes for v in tensors.values())
+    if shard_bytes is None or total <= shard_bytes:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for k, v in tensors.items():
+        if size and size + v.nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += v.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    with open(out / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return out
+
+
+def write_adapter(out: str | Path, model: ModelConfig, rank: int = 8, alpha: float | None = None,
+                  targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"), seed: int = 0,
+                  use_rslora: bool = False, rank_pattern: dict | None = None, alpha_pattern: dict | None = None,
+                  layers_to_transform: list[int] | None = None, strength: float = 0.3,
+                  extra_config: dict | None = None) -> Path:
+    """A random PEFT LoRA dir (B non-zero, unlike PEFT's init, so the adapter changes the output)."""
+    from ..lora.peft import _pattern_value, module_key  # the same pattern rules the reader uses
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    alpha = float(2 * rank if alpha is None else alpha)
+    rank_pattern, alpha_pattern = rank_pattern or {}, alpha_pattern or {}
+    layers = layers_to_transform if layers_to_transform is not None else range(model.num_hidden_layers)
+    tensors = {}
+    for layer in layers:
+        for m in targets:
+            key = module_key(layer, m)
+            r = int(_pattern_value(rank_pattern, key, rank))
+            a_ = float(_pattern_value(alpha_pattern, key, alpha))
+            scale = a_ / math.sqrt(r) if use_rslora else a_ / r
+            d_in, d_out = model.module_dims(m)
+            a = rng.standard_normal((r, d_in), dtype=np.float32) / math.sqrt(d_in)
+            b = rng.standard_normal((d_out, r), dtype=np.float32) * (strength / (math.sqrt(r) * scale))
+            tensors[f"base_model.model.{key}.lora_A.weight"] = a
+            tensors[f"base_model.model.{key}.lora_B.weight"] = b
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": model.name, "r": rank,
+        "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": list(targets), "bias": "none",
+        "use_rslora": use_rslora, "use_dora": False, "fan_in_fan_out": False, "inference_mode": True,
+        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "layers_to_transform": layers_to_transform,
+        "modules_to_save": None, "init_lora_weights": True,
+    }
+    config.update(extra_config or {})
+    with open(out / "adapter_config.json", "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    return out
+
+
+def write_adapters(out_dir: str | Path, model: ModelConfig, n: int, ranks: list[int], seed: int = 0,
+                   targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> list[Path]:
+    """``n`` adapters named adapter-0000.. with ranks taken round-robin from ``ranks``."""
+    out_dir = Path(out_dir)
+    return [write_adapter(out_dir / f"adapter-{i:04d}", model, rank=ranks[i % len(ranks)], targets=targets,
+                          seed=seed * 100003 + i) for i in range(n)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m slora_jax.tools.synth", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pm = sub.add_parser("model", help="write a random HF model dir")
+    pm.add_argument("--preset", default="tiny")
+    pm.add_argument("--out", required=True)
+    pm.add_argument("--seed", type=int, default=0)
+    pm.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    pm.add_argument("--shard-gb", type=float, default=4.0)
+    pa = sub.add_parser("adapters", help="write random PEFT adapter dirs for a model dir")
+    pa.add_argument("--model", required=True)
+    pa.add_argument("--out", required=True)
+    pa.add_argument("-n", type=int, default=4)
+    pa.add_argument("--ranks", default="8")
+    pa.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
+    pa.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.cmd == "model":
+        path = write_model(args.out, args.preset, args.seed, np.dtype(args.dtype), int(args.shard_gb * 2**30))
+        print(f"wrote {path}")
+    else:
+        cfg = ModelConfig.from_model_dir(args.model)
+        paths = write_adapters(args.out, cfg, args.n, [int(r) for r in args.ranks.split(",")], args.seed,
+                               tuple(args.targets.split(",")))
+        print(f"wrote {len(paths)} adapters under {args.out}")
+
+
+if __name__ == "__main__":
+    main()

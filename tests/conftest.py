@@ -1,0 +1,54 @@
+"""Shared fixtures: small random HF model dirs and PEFT adapter dirs, written once per test session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from slora_jax.model.config import ModelConfig  # noqa: E402
+from slora_jax.tools import synth  # noqa: E402
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+
+# The adapter zoo of the foundation's acceptance: mixed ranks, rsLoRA, patterns, partial targets, layer subsets.
+ADAPTER_SPECS = {
+    "r4-qkvo": dict(rank=4, targets=("q_proj", "k_proj", "v_proj", "o_proj")),
+    "r8-all7": dict(rank=8, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "r16-rslora": dict(rank=16, use_rslora=True, alpha=8.0,
+                       targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "r32-qv": dict(rank=32, targets=("q_proj", "v_proj")),
+    "patterns": dict(rank=8, alpha=16.0, targets=("q_proj", "v_proj", "o_proj", "down_proj"),
+                     rank_pattern={"o_proj": 4, r"layers\.1\.self_attn\.q_proj": 16},
+                     alpha_pattern={"down_proj": 3.0, r"layers\.0\.self_attn\.v_proj": 40.0}),
+    "layer1-only": dict(rank=16, targets=("q_proj", "k_proj", "gate_proj", "up_proj"), layers_to_transform=[1]),
+}
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {name: synth.write_model(root / name, name, seed=i + 1)
+            for i, name in enumerate(("tiny", "tiny-mha", "tiny-llama3"))}
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(model_dirs):
+    return model_dirs["tiny"]
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg(tiny_dir):
+    return ModelConfig.from_model_dir(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def adapter_dirs(tmp_path_factory, tiny_cfg):
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: synth.write_adapter(root / name, tiny_cfg, seed=10 + i, **spec)
+            for i, (name, spec) in enumerate(ADAPTER_SPECS.items())}
