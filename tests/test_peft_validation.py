@@ -1,0 +1,135 @@
+"""Every adapter we cannot serve exactly is rejected at load, naming the adapter and the reason."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from slora_jax.lora.peft import AdapterError, load_peft_adapter
+from slora_jax.tools.synth import write_adapter
+
+
+@pytest.fixture
+def good(tmp_path, tiny_cfg):
+    return write_adapter(tmp_path / "good", tiny_cfg, rank=8, seed=int(np.random.default_rng().integers(1 << 30)))
+
+
+def _edit_config(path, **changes):
+    cfg_path = path / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(changes)
+    cfg_path.write_text(json.dumps(cfg))
+
+
+def _edit_tensors(path, fn):
+    st = path / "adapter_model.safetensors"
+    tensors = load_file(str(st))
+    fn(tensors)
+    save_file(tensors, str(st))
+
+
+def _rejects(path, cfg, match, **kw):
+    with pytest.raises(AdapterError, match=match) as info:
+        load_peft_adapter(path, cfg, name="bad-one", **kw)
+    assert "bad-one" in str(info.value)
+
+
+def test_good_adapter_loads_with_peft_scaling(good, tiny_cfg):
+    adapter = load_peft_adapter(good, tiny_cfg)
+    assert len(adapter.modules) == 4 * tiny_cfg.num_hidden_layers
+    module = adapter.modules[(0, "q_proj")]
+    assert module.a.shape == (tiny_cfg.hidden_size, 8) and module.b.shape == (8, tiny_cfg.q_width)
+    assert math.isclose(module.scale, 16 / 8)
+
+
+def test_rejects_dora(good, tiny_cfg):
+    _edit_config(good, use_dora=True)
+    _rejects(good, tiny_cfg, "DoRA")
+
+
+def test_rejects_bias(good, tiny_cfg):
+    _edit_config(good, bias="lora_only")
+    _rejects(good, tiny_cfg, "bias")
+
+
+def test_rejects_modules_to_save(good, tiny_cfg):
+    _edit_config(good, modules_to_save=["lm_head"])
+    _rejects(good, tiny_cfg, "modules_to_save")
+
+
+@pytest.mark.parametrize("target", ["embed_tokens", "lm_head"])
+def test_rejects_lora_on_embeddings_or_lm_head(good, tiny_cfg, target):
+    _edit_config(good, target_modules=["q_proj", target])
+    _rejects(good, tiny_cfg, "not supported")
+
+
+def test_rejects_embedding_weights_in_file(good, tiny_cfg):
+    _edit_tensors(good, lambda t: t.update(
+        {"base_model.model.model.embed_tokens.lora_embedding_A": np.ones((8, tiny_cfg.vocab_size), np.float32)}))
+    _rejects(good, tiny_cfg, "embeddings")
+
+
+def test_rejects_unknown_target_module(good, tiny_cfg):
+    _edit_config(good, target_modules=["q_proj", "w_pack"])
+    _rejects(good, tiny_cfg, "unknown target module")
+
+
+def test_rejects_shape_mismatch(good, tiny_cfg):
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    _edit_tensors(good, lambda t: t.update({key: np.random.default_rng().standard_normal((tiny_cfg.q_width * 2, 8),
+                                                                                         dtype=np.float32)}))
+    _rejects(good, tiny_cfg, "do not match the base model")
+
+
+def test_rejects_rank_above_maximum(good, tiny_cfg):
+    _rejects(good, tiny_cfg, "above the configured maximum", max_rank=4)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_rejects_non_finite_weights(good, tiny_cfg, bad):
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"
+
+    def poison(t):
+        t[key] = t[key].copy()
+        t[key][0, 3] = bad
+
+    _edit_tensors(good, poison)
+    _rejects(good, tiny_cfg, "non-finite")
+
+
+def test_rejects_missing_config(good, tiny_cfg):
+    (good / "adapter_config.json").unlink()
+    _rejects(good, tiny_cfg, "missing adapter_config.json")
+
+
+def test_rejects_missing_weights(good, tiny_cfg):
+    (good / "adapter_model.safetensors").unlink()
+    _rejects(good, tiny_cfg, "missing adapter_model.safetensors")
+
+
+def test_rejects_unreadable_config(good, tiny_cfg):
+    (good / "adapter_config.json").write_text("{not json")
+    _rejects(good, tiny_cfg, "unreadable adapter_config.json")
+
+
+def test_rejects_corrupt_weights(good, tiny_cfg):
+    (good / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage-not-a-header")
+    _rejects(good, tiny_cfg, "unreadable adapter_model.safetensors")
+
+
+def test_rejects_missing_directory(tmp_path, tiny_cfg):
+    _rejects(tmp_path / "nowhere", tiny_cfg, "not a directory")
+
+
+def test_rejects_targeted_module_without_weights(good, tiny_cfg):
+    _edit_tensors(good, lambda t: [t.pop(k) for k in list(t) if "layers.1.self_attn.k_proj" in k])
+    _rejects(good, tiny_cfg, "no weights for targeted")
+
+
+def test_rejects_layer_beyond_model(good, tiny_cfg):
+    _edit_config(good, layers_to_transform=[0, 5])
+    _rejects(good, tiny_cfg, "outside the model")
