@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.lora_common import AdapterTable
+from pallas_kernels.lora_common import AdapterTable, next_pow2
 from slora_jax.engine.page_allocator import ADAPTER, KV, ForeignPage, OutOfPages, PageAllocator, owner_kind
 from slora_jax.lora.pool_rows import AdapterRows
 from slora_jax.model.config import MODULES, ModelConfig
@@ -133,7 +133,7 @@ class PagedPool:
             raise ValueError(f"adapter {name!r} is already resident (slot {self._adapters[name].slot})")
         expect = (self.num_layers, self.vec)
         if rows.vectors.ndim != 3 or (rows.vectors.shape[0], rows.vectors.shape[2]) != expect:
-            raise ValueError(f"adapter {name!r}: vectors {rows.vectors.shape} do not fit [L, n, V] with (L, V)={expect}")
+            raise ValueError(f"adapter {name!r}: vectors {rows.vectors.shape} are not [L, n, V] with (L, V)={expect}")
         if rows.rank.shape != (self.num_layers, len(MODULES)):
             raise ValueError(f"adapter {name!r}: rank table {rows.rank.shape} is not [L, {len(MODULES)}]")
         if rows.max_rank > self.max_rank:
@@ -257,7 +257,7 @@ class PagedPool:
 
     def page_bucket(self, n_pages: int) -> int:
         """Pages per scatter call: next power of two (capped at ``max_pages``) so compiles stay few."""
-        return min(1 << max(n_pages - 1, 0).bit_length(), self.max_pages)
+        return min(next_pow2(n_pages), self.max_pages)
 
     def _stage_pages(self, rows: AdapterRows, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Host buffers for one scatter: page ids padded with an out-of-range id, vectors padded with zeros."""

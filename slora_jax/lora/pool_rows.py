@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from pallas_kernels.lora_common import pack_offsets
 from slora_jax.lora.weights import LoraAdapter
 from slora_jax.model.config import MODULE_INDEX, MODULES, ModelConfig
 
@@ -22,7 +23,7 @@ class AdapterRows:
 
     ``vectors[l, :layer_num_vectors[l]]`` is layer l's virtual vector sequence; the tail is zero. Tables are
     ``[L, len(MODULES)]``: ``rank`` (0 = module not adapted there), ``a_off`` / ``b_off`` (virtual vector index of
-    row 0 chunk 0 of A^T / B) and ``scale``.
+    row 0 chunk 0 of A^T / B; meaningless where rank is 0) and ``scale``.
     """
 
     name: str
@@ -55,8 +56,6 @@ def to_pool_rows(adapter: LoraAdapter, config: ModelConfig, dtype=np.float32) ->
     """Lay out ``adapter`` for a model of shape ``config``; raises ValueError on shapes that do not fit."""
     n_layers, n_mod, vec = config.num_hidden_layers, len(MODULES), config.head_dim
     rank = np.zeros((n_layers, n_mod), np.int32)
-    a_off = np.zeros((n_layers, n_mod), np.int32)
-    b_off = np.zeros((n_layers, n_mod), np.int32)
     scale = np.zeros((n_layers, n_mod), np.float32)
 
     for (layer, module_name), mod in adapter.modules.items():
@@ -77,20 +76,8 @@ def to_pool_rows(adapter: LoraAdapter, config: ModelConfig, dtype=np.float32) ->
         rank[layer, m] = r
         scale[layer, m] = mod.scale if r else 0.0
 
-    # Offsets follow MODULES order inside each layer; absent modules take no space and keep offset 0.
-    layer_num_vectors = np.zeros(n_layers, np.int64)
-    for layer in range(n_layers):
-        cursor = 0
-        for m, module_name in enumerate(MODULES):
-            r = int(rank[layer, m])
-            if not r:
-                continue
-            d_in, d_out = config.module_dims(module_name)
-            a_off[layer, m] = cursor
-            cursor += r * (d_in // vec)
-            b_off[layer, m] = cursor
-            cursor += r * (d_out // vec)
-        layer_num_vectors[layer] = cursor
+    # One packing rule shared with the kernels' helpers: MODULES order, A^T then B; absent modules take no space.
+    a_off, b_off, layer_num_vectors = pack_offsets(rank, [config.module_dims(m) for m in MODULES], vec)
     if int(layer_num_vectors.max(initial=0)) > np.iinfo(np.int32).max:
         raise ValueError(f"adapter {adapter.name!r} is too large for int32 vector offsets")
 

@@ -19,8 +19,8 @@ from .rope import apply_rope, rope_cos_sin
 
 
 class LayerOps(Protocol):
-    def lora(self, x: jax.Array, modules: tuple[int, ...], layer: jax.Array, state: Any) -> jax.Array | None:
-        """LoRA delta for ``modules`` (indices into MODULES), [T, sum(d_out)], or None when nothing is adapted."""
+    def lora(self, x: jax.Array, y: jax.Array, modules: tuple[int, ...], layer: jax.Array, state: Any) -> jax.Array:
+        """``y`` (the base output [T, sum(d_out)] of ``modules``, indices into MODULES) plus each row's LoRA delta."""
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array, state: Any) -> tuple[jax.Array, Any]:
         """Store k, v ([T, n_kv, hd], rotated) and attend q ([T, n_heads, hd]); returns ([T, n_heads, hd], state)."""
@@ -48,10 +48,6 @@ class Linear(nn.Module):
         return jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _plus(y: jax.Array, delta: jax.Array | None) -> jax.Array:
-    return y if delta is None else (y.astype(jnp.float32) + delta.astype(jnp.float32)).astype(y.dtype)
-
-
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
 
@@ -61,19 +57,19 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         h = RMSNorm(cfg.rms_norm_eps, name="input_layernorm")(x)
-        qkv = _plus(Linear(cfg.q_width + 2 * cfg.kv_width, name="qkv_proj")(h), ops.lora(h, (0, 1, 2), layer, state))
+        qkv = ops.lora(h, Linear(cfg.q_width + 2 * cfg.kv_width, name="qkv_proj")(h), (0, 1, 2), layer, state)
         q = qkv[:, : cfg.q_width].reshape(t, nq, hd)
         k = qkv[:, cfg.q_width : cfg.q_width + cfg.kv_width].reshape(t, nkv, hd)
         v = qkv[:, cfg.q_width + cfg.kv_width :].reshape(t, nkv, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn, state = ops.attend(q, k, v, layer, state)
         attn = attn.reshape(t, cfg.q_width).astype(x.dtype)
-        x = x + _plus(Linear(cfg.hidden_size, name="o_proj")(attn), ops.lora(attn, (3,), layer, state))
+        x = x + ops.lora(attn, Linear(cfg.hidden_size, name="o_proj")(attn), (3,), layer, state)
         h = RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm")(x)
-        gu = _plus(Linear(2 * cfg.intermediate_size, name="gate_up_proj")(h), ops.lora(h, (4, 5), layer, state))
+        gu = ops.lora(h, Linear(2 * cfg.intermediate_size, name="gate_up_proj")(h), (4, 5), layer, state)
         gate, up = gu[:, : cfg.intermediate_size], gu[:, cfg.intermediate_size :]
         act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
-        x = x + _plus(Linear(cfg.hidden_size, name="down_proj")(act), ops.lora(act, (6,), layer, state))
+        x = x + ops.lora(act, Linear(cfg.hidden_size, name="down_proj")(act), (6,), layer, state)
         return x, state
 
 
@@ -110,8 +106,8 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
     embed = jax.random.normal(k_embed, (cfg.vocab_size, cfg.hidden_size), dtype) * 0.5
 
     class _Ops:
-        def lora(self, *a):
-            return None
+        def lora(self, x, y, *a):
+            return y
 
         def attend(self, q, k, v, layer, state):
             return jnp.repeat(v, cfg.num_attention_heads // cfg.num_key_value_heads, axis=1), state

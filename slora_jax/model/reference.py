@@ -62,9 +62,9 @@ class ReferenceOps:
     row_adapter: jax.Array  # int32 [B] (-1 = none)
     positions: jax.Array  # int32 [B, C]
 
-    def lora(self, x, modules, layer, state):
+    def lora(self, x, y, modules, layer, state):
         if self.adapters is None:
-            return None
+            return y
         b, c = self.positions.shape
         idx = jnp.repeat(self.row_adapter, c)
         safe = jnp.maximum(idx, 0)
@@ -73,9 +73,9 @@ class ReferenceOps:
             a = self.adapters.a[m][safe, layer]  # [T, d_in, R]
             bm = self.adapters.b[m][safe, layer]  # [T, R, d_out]
             s = self.adapters.scale[safe, layer, m] * (idx >= 0)
-            y = jnp.einsum("ti,tir->tr", x.astype(jnp.float32), a.astype(jnp.float32))
-            outs.append(jnp.einsum("tr,tro->to", y, bm.astype(jnp.float32)) * s[:, None])
-        return jnp.concatenate(outs, axis=1)
+            shrunk = jnp.einsum("ti,tir->tr", x.astype(jnp.float32), a.astype(jnp.float32))
+            outs.append(jnp.einsum("tr,tro->to", shrunk, bm.astype(jnp.float32)) * s[:, None])
+        return (y.astype(jnp.float32) + jnp.concatenate(outs, axis=1)).astype(y.dtype)
 
     def attend(self, q, k, v, layer, state):
         k_cache, v_cache = state
