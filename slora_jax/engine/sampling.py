@@ -1,0 +1,93 @@
+"""Sampling parameters (validated on the host) and the sampler that runs inside the jitted step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings, OpenAI/vLLM names. temperature 0 = greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, max_model_len: int | None = None) -> SamplingParams:
+        """Raise ValueError with a clear message for values we will not serve."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if max_model_len is not None and self.max_tokens > max_model_len:
+            raise ValueError(f"max_tokens {self.max_tokens} exceeds the model's context of {max_model_len} tokens")
+        if not np.isfinite(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not np.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be non-empty strings")
+        return self
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingArrays:
+    """Per-row sampler inputs, [B] each; padding rows are greedy."""
+
+    temperature: jax.Array  # float32
+    top_k: jax.Array  # int32, 0 = off
+    top_p: jax.Array  # float32
+    seed: jax.Array  # uint32
+    counter: jax.Array  # int32: tokens generated so far (so each step draws fresh randomness)
+
+
+def sampling_arrays(params: list[SamplingParams | None], seeds: list[int], counters: list[int],
+                    rows: int) -> dict[str, np.ndarray]:
+    """Numpy inputs for ``rows`` rows (padded); ``seeds`` are already resolved per request."""
+    temp = np.zeros(rows, np.float32)
+    top_k = np.zeros(rows, np.int32)
+    top_p = np.ones(rows, np.float32)
+    seed = np.zeros(rows, np.uint32)
+    counter = np.zeros(rows, np.int32)
+    for i, p in enumerate(params):
+        if p is None:
+            continue
+        temp[i], top_k[i], top_p[i] = p.temperature, max(p.top_k, 0), p.top_p
+        seed[i], counter[i] = seeds[i] & 0xFFFFFFFF, counters[i]
+    return dict(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, counter=counter)
+
+
+def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Token ids [B] from logits [B, V]: greedy where temperature == 0, else top-k/top-p filtered Gumbel-max."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
+    cum = jnp.cumsum(probs_sorted, axis=-1)
+    # smallest prefix whose mass reaches top_p (always keeps the top token)
+    keep_sorted = (cum - probs_sorted) < s.top_p[:, None]
+    p_cut = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    threshold = jnp.maximum(kth, p_cut)
+    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.PRNGKey(seed), c))(s.seed, s.counter)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
+    sampled = jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.where(s.temperature > 0, sampled, greedy)

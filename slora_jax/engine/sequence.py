@@ -1,0 +1,59 @@
+"""A request's life inside the engine: tokens so far, pages held, status."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+from collections.abc import Callable
+
+from .sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What a step produced for one request: new token ids, and whether (and why) it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    error: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    prompt_ids: list[int]
+    adapter: str | None
+    sampling: SamplingParams
+    request_id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
+    seed: int = 0
+    on_output: Callable[[RequestOutput], None] | None = None
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    kv_pages: list[int] = dataclasses.field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V are in the pool
+    finish_reason: str | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    text: str = ""  # decoded output, kept only when stop strings need it
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.sampling.max_tokens
