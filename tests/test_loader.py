@@ -18,7 +18,7 @@ def test_sharded_checkpoint_equals_single_file(tmp_path):
     assert (sharded / "model.safetensors.index.json").exists() and len(list(sharded.glob("*.safetensors"))) > 2
     _, a = load_params(single, dtype=jnp.float32, progress=False)
     _, b = load_params(sharded, dtype=jnp.float32, progress=False)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 

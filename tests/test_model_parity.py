@@ -22,7 +22,7 @@ def test_base_logits_match_hf(model_dirs, model):
     rng = np.random.default_rng()
     prompts = _prompts(rng, [1, 7, 13, 70], cfg.vocab_size)  # 70 > 64 exercises llama3's scaled band
     ours = reference_logits(cfg, params, None, prompts, [-1] * len(prompts))
-    for prompt, logits in zip(prompts, ours):
+    for prompt, logits in zip(prompts, ours, strict=True):
         assert rel_err(logits, hf_logits(model_dirs[model], prompt)) <= 1e-4
 
 
@@ -40,7 +40,7 @@ def test_mixed_adapter_batch_matches_peft_row_by_row(zoo, tiny_dir, adapter_dirs
     rows = [0, 1, -1, 2, 3, 4, 5, -1, 1, 3]  # 10 rows, 6 adapters, 2 base-only rows
     prompts = _prompts(rng, rng.integers(2, 24, size=len(rows)), cfg.vocab_size)
     ours = reference_logits(cfg, params, stacked, prompts, rows)
-    for prompt, row, logits in zip(prompts, rows, ours):
+    for prompt, row, logits in zip(prompts, rows, ours, strict=True):
         adapter_dir = adapter_dirs[names[row]] if row >= 0 else None
         ref = hf_logits(tiny_dir, prompt, adapter_dir)
         assert rel_err(logits, ref) <= 1e-4, names[row] if row >= 0 else "base"
@@ -54,6 +54,6 @@ def test_greedy_generation_matches_peft_generate(zoo, tiny_dir, adapter_dirs):
     rows = list(range(len(names))) + [-1]
     prompts = _prompts(rng, rng.integers(3, 12, size=len(rows)), cfg.vocab_size)
     ours = reference_generate(cfg, params, stacked, prompts, rows, max_new_tokens=32)
-    for prompt, row, tokens in zip(prompts, rows, ours):
+    for prompt, row, tokens in zip(prompts, rows, ours, strict=True):
         adapter_dir = adapter_dirs[names[row]] if row >= 0 else None
         assert tokens == hf_generate(tiny_dir, prompt, 32, adapter_dir), names[row] if row >= 0 else "base"

@@ -27,6 +27,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
+    text: str = ""  # new text (when the engine has a tokenizer)
 
 
 @dataclasses.dataclass(eq=False)
@@ -40,8 +41,10 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     kv_pages: list[int] = dataclasses.field(default_factory=list)
+    adapter_slot: int = -1
     num_cached: int = 0  # tokens whose K/V are in the pool
     finish_reason: str | None = None
+    error: str | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
     text: str = ""  # decoded output, kept only when stop strings need it

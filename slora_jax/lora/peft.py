@@ -156,7 +156,8 @@ def load_peft_adapter(path: str | Path, model: ModelConfig, name: str | None = N
         raise AdapterError(name, f"no weights for targeted module(s) {[module_key(*m) for m in missing[:3]]}")
     unexpected = sorted(set(found) - expected)
     if unexpected:
-        raise AdapterError(name, f"weights for module(s) not in target_modules: {[module_key(*m) for m in unexpected[:3]]}")
+        names = [module_key(*m) for m in unexpected[:3]]
+        raise AdapterError(name, f"weights for module(s) not in target_modules: {names}")
 
     r_default, alpha_default = cfg.get("r", 8), cfg.get("lora_alpha", 8)
     rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}

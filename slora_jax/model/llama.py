@@ -118,6 +118,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
         return DecoderLayer(cfg).init(k, x, cos, sin, 0, _Ops(), None)["params"]
 
     layers = jax.vmap(one)(jax.random.split(k_layers, cfg.num_hidden_layers))
-    lm_head = embed.T if cfg.tie_word_embeddings else jax.random.normal(k_head, (cfg.hidden_size, cfg.vocab_size)) * 0.05
+    lm_head = embed.T if cfg.tie_word_embeddings else jax.random.normal(k_head, (cfg.hidden_size, cfg.vocab_size))
+    lm_head = lm_head * (1.0 if cfg.tie_word_embeddings else 0.05)
     return {"embed": embed, "layers": layers, "norm": {"weight": jnp.ones((cfg.hidden_size,), dtype)},
             "lm_head": lm_head.astype(dtype)}

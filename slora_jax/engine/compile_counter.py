@@ -1,0 +1,32 @@
+"""Counts XLA backend compiles in this process, so steady-state serving can prove it compiles nothing."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+
+_EVENT = "/jax/core/compile/backend_compile_duration"
+_lock = threading.Lock()
+_count = 0
+_installed = False
+
+
+def _listener(event: str, duration_secs: float, **kwargs) -> None:
+    global _count
+    if event == _EVENT:
+        with _lock:
+            _count += 1
+
+
+def install() -> None:
+    global _installed
+    with _lock:
+        if not _installed:
+            jax.monitoring.register_event_duration_secs_listener(_listener)
+            _installed = True
+
+
+def compile_count() -> int:
+    """Backend compiles seen since :func:`install` (process-wide: any jitted function counts)."""
+    return _count

@@ -1,0 +1,61 @@
+"""Engine settings: batch limits, buckets, pool budget, adapter limits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from lo up to the first one >= hi."""
+    out, b = [], max(1, lo)
+    while True:
+        out.append(b)
+        if b >= hi:
+            return tuple(out)
+        b *= 2
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 64  # running sequences (decode rows)
+    max_prefill_tokens: int = 2048  # tokens in one prefill step
+    max_prefill_seqs: int = 16  # sequences in one prefill step
+    max_model_len: int = 2048  # prompt + output
+    page_size: int = 16  # tokens per KV page
+    max_lora_rank: int = 64
+    max_loras: int = 64  # adapters resident in the pool at once (slots)
+    max_cpu_loras: int | None = None  # adapters kept in host memory (None: bounded by host_budget_bytes only)
+    host_budget_bytes: int = 8 << 30
+    pool_bytes: int | None = None  # memory budget of the unified pool
+    num_pages: int | None = None  # or an explicit page count (tests)
+    dtype: str = "bfloat16"
+    backend: str = "pallas"  # "pallas" | "reference"
+    max_waiting: int = 4096  # queue bound: beyond it add_request raises QueueFull
+    min_prefill_bucket: int = 16
+    lora_block_t: int = 16
+    attn_block_q: int = 16
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def decode_buckets(self) -> tuple[int, ...]:
+        return pow2_buckets(1, self.max_batch_size)
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        return pow2_buckets(self.min_prefill_bucket, self.max_prefill_tokens)
+
+    def validate(self) -> EngineConfig:
+        for name in ("max_batch_size", "max_prefill_tokens", "max_prefill_seqs", "max_model_len", "page_size",
+                     "max_lora_rank", "max_loras"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.page_size & (self.page_size - 1):
+            raise ValueError("page_size must be a power of two")
+        if self.max_prefill_tokens < self.max_model_len:
+            raise ValueError("max_prefill_tokens must be >= max_model_len (a whole prompt is prefilled in one step)")
+        if self.pool_bytes is None and self.num_pages is None:
+            raise ValueError("set pool_bytes or num_pages")
+        return self

@@ -1,0 +1,226 @@
+"""The serving engine: requests in, tokens out, many adapters batched on one base model.
+
+``step()`` reads top-down: schedule -> run the jitted step (pool donated) -> prefetch adapters for the waiting head
+while the device works -> append tokens, stop, free. Usable offline in a few lines::
+
+    engine = Engine.from_model_dir("model/", EngineConfig(pool_bytes=8 << 30), adapter_dir="adapters/")
+    outs = engine.generate([[1, 2, 3]], adapters=["adapter-0001"], sampling=SamplingParams(temperature=0))
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..lora.peft import AdapterError
+from ..model.config import ModelConfig
+from ..model.loader import load_params
+from ..model.paged import check_backend
+from . import compile_counter
+from .adapter_store import AdapterStore
+from .config import EngineConfig
+from .pool import PagedPool
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import RequestOutput, Sequence, Status
+from .step_runner import StepItem, StepRunner
+
+
+class QueueFull(RuntimeError):
+    """Too many waiting requests: the caller should retry later (HTTP 429/503)."""
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, params: dict, ecfg: EngineConfig, tokenizer=None,
+                 interpret: bool | None = None):
+        compile_counter.install()
+        self.cfg, self.params, self.ecfg = cfg, params, ecfg.validate()
+        check_backend(ecfg.backend)
+        self.tokenizer = tokenizer
+        dtype = jnp.dtype(ecfg.dtype)
+        self.pool = PagedPool(cfg, page_size=ecfg.page_size, max_slots=ecfg.max_loras, max_rank=ecfg.max_lora_rank,
+                              num_pages=ecfg.num_pages, memory_bytes=None if ecfg.num_pages else ecfg.pool_bytes,
+                              dtype=dtype)
+        self.store = AdapterStore(cfg, self.pool, host_budget_bytes=ecfg.host_budget_bytes,
+                                  max_rank=ecfg.max_lora_rank, dtype=np.dtype(dtype),
+                                  max_host_adapters=ecfg.max_cpu_loras)
+        self.scheduler = Scheduler(ecfg, self.pool, self.store)
+        self.runner = StepRunner(cfg, ecfg, interpret=interpret)
+        self.requests: dict[str, Sequence] = {}
+        self.warm_compiles: int | None = None
+        self.num_steps = 0
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, ecfg: EngineConfig, adapters: dict[str, str | Path] | None = None,
+                       adapter_dir: str | Path | None = None, tokenizer=None, interpret: bool | None = None,
+                       progress: bool = True) -> Engine:
+        cfg, params = load_params(model_dir, dtype=jnp.dtype(ecfg.dtype), progress=progress)
+        engine = cls(cfg, params, ecfg, tokenizer=tokenizer, interpret=interpret)
+        if adapter_dir is not None:
+            engine.store.register_dir(adapter_dir)
+        for name, path in (adapters or {}).items():
+            engine.store.register(name, path)
+        return engine
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt_ids: list[int], adapter: str | None = None, sampling: SamplingParams | None = None,
+                    request_id: str | None = None, on_output: Callable[[RequestOutput], None] | None = None) -> str:
+        """Queue a request; raises ValueError (bad input), KeyError (unknown adapter) or QueueFull."""
+        sampling = (sampling or SamplingParams()).validate(self.ecfg.max_model_len)
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if any(not 0 <= int(t) < self.cfg.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        if len(prompt_ids) + sampling.max_tokens > self.ecfg.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+                             f"context of {self.ecfg.max_model_len} tokens")
+        if adapter is not None and adapter not in self.store:
+            raise KeyError(f"unknown adapter {adapter!r}")
+        if len(self.scheduler.waiting) >= self.ecfg.max_waiting:
+            raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting; try again later")
+        seq = Sequence(prompt_ids=[int(t) for t in prompt_ids], adapter=adapter, sampling=sampling,
+                       on_output=on_output, arrival_time=time.monotonic())
+        if request_id is not None:
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            seq.request_id = request_id
+        seq.seed = sampling.seed if sampling.seed is not None else int(np.random.default_rng().integers(2**31))
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        if adapter is not None:
+            self.store.prefetch([adapter])
+        return seq.request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its pages; False if it is unknown or already finished."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.status == Status.FINISHED:
+            return False
+        self._finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._finish(seq, "error", error) for seq, error in self.scheduler.take_failed()]
+        plan = self.scheduler.schedule()
+        outputs += [self._finish(seq, "error", error) for seq, error in self.scheduler.take_failed()]
+        if plan is None:
+            return outputs
+        items = [self._item(seq, plan.kind) for seq in plan.seqs]
+        run = self.runner.prefill if plan.kind == "prefill" else self.runner.decode
+        next_ids, self.pool.array = run(self.params, self.pool.array, self.pool.table, items)
+        self.store.prefetch([s.adapter for s in list(self.scheduler.waiting)[: self.ecfg.max_prefill_seqs]
+                             if s.adapter is not None])
+        next_ids = np.asarray(next_ids)
+        self.num_steps += 1
+        now = time.monotonic()
+        for seq, token in zip(plan.seqs, next_ids[: len(plan.seqs)], strict=True):
+            seq.num_cached = seq.num_tokens
+            outputs.append(self._append(seq, int(token), now))
+        return outputs
+
+    def _item(self, seq: Sequence, kind: str) -> StepItem:
+        start = 0 if kind == "prefill" else seq.num_tokens - 1
+        return StepItem(tokens=seq.all_ids[start:], start=start, pages=seq.kv_pages, adapter_slot=seq.adapter_slot,
+                        sampling=seq.sampling, seed=seq.seed, counter=len(seq.output_ids))
+
+    def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_ids.append(token)
+        sp = seq.sampling
+        text_delta = ""
+        reason = None
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.cfg.eos_token_id):
+            reason = "stop"
+        elif self.tokenizer is not None:
+            new_text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            text_delta = new_text[len(seq.text):]
+            seq.text = new_text
+            if sp.stop:
+                hits = [seq.text.find(s) for s in sp.stop if s in seq.text]
+                if hits:
+                    cut = min(hits)
+                    text_delta = text_delta[: max(0, len(text_delta) - (len(seq.text) - cut))]
+                    seq.text = seq.text[:cut]
+                    reason = "stop"
+        if reason is None and (len(seq.output_ids) >= sp.max_tokens or seq.num_tokens >= self.ecfg.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        out = RequestOutput(seq.request_id, [token], reason is not None, reason, text=text_delta)
+        if seq.on_output is not None:
+            seq.on_output(out)
+        return out
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        self.scheduler.finish(seq, reason)
+        out = RequestOutput(seq.request_id, [], True, reason, error=error)
+        if seq.on_output is not None:
+            seq.on_output(out)
+        return out
+
+    # ---------------------------------------------------------------- conveniences
+    def warmup(self, progress: bool = True) -> None:
+        """Compile every bucket now so that serving never compiles; records the compile count."""
+        self.pool.array = self.runner.warmup(self.params, self.pool.array, self.pool.table, progress=progress)
+        self.store.warmup()
+        jax.block_until_ready(self.pool.array)
+        self.warm_compiles = compile_counter.compile_count()
+
+    def compiles_since_warmup(self) -> int:
+        return compile_counter.compile_count() - (self.warm_compiles or 0)
+
+    def generate(self, prompts: list[list[int]], adapters: list[str | None] | None = None,
+                 sampling: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
+        """Offline batch: every prompt's generated token ids (errors raise)."""
+        adapters = adapters or [None] * len(prompts)
+        samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        ids = [self.add_request(p, a, s) for p, a, s in zip(prompts, adapters, samplings, strict=True)]
+        while self.has_unfinished():
+            self.step()
+        for rid in ids:
+            seq = self.requests[rid]
+            if seq.finish_reason == "error":
+                raise AdapterError(seq.adapter or "?", seq.error or "failed")
+        return [self.requests.pop(rid).output_ids for rid in ids]
+
+    def stream(self, prompt_ids: list[int], adapter: str | None = None,
+               sampling: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Run one request to the end (driving the engine), yielding its outputs as they come."""
+        got: list[RequestOutput] = []
+        rid = self.add_request(prompt_ids, adapter, sampling, on_output=got.append)
+        while True:
+            self.step()
+            while got:
+                out = got.pop(0)
+                yield out
+                if out.finished:
+                    self.requests.pop(rid, None)
+                    return
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (servers call this once its output is delivered)."""
+        seq = self.requests.get(request_id)
+        if seq is not None and seq.status == Status.FINISHED:
+            del self.requests[request_id]
+
+    def stats(self) -> dict:
+        kv_live = sum(s.num_cached for s in self.scheduler.running)
+        return {
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "steps": self.num_steps,
+            "compiles": compile_counter.compile_count(),
+            "compiles_since_warmup": self.compiles_since_warmup(),
+            "pool": self.pool.stats(kv_tokens_live=kv_live),
+            "adapters": self.store.stats(),
+        }

@@ -1,0 +1,166 @@
+"""Iteration-level scheduling: which sequences run this step, admission against the pool, preemption.
+
+A step is either a prefill (newly admitted sequences, whole prompts) or a decode (every running sequence, one token
+each). Admission asks for the request's worst-case KV (prompt + max_tokens) plus its adapter's pages if it is not
+resident; pages are then taken as the sequence grows, and when the pool runs dry the most recently admitted sequence
+is preempted (its pages freed, recomputed later from its tokens so far). The order of admission is a policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Protocol
+
+from ..lora.peft import AdapterError
+from .adapter_store import NoRoom
+from .config import EngineConfig
+from .pool import PagedPool
+from .sequence import Sequence, Status
+
+
+class Policy(Protocol):
+    def order(self, waiting: deque[Sequence]) -> list[Sequence]:
+        """Waiting sequences in the order admission should try them."""
+
+
+class FCFS:
+    """First come, first served (preempted sequences go back to the front)."""
+
+    def order(self, waiting: deque[Sequence]) -> list[Sequence]:
+        return list(waiting)
+
+
+@dataclasses.dataclass
+class Plan:
+    kind: str  # "prefill" | "decode"
+    seqs: list[Sequence]
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class Scheduler:
+    def __init__(self, ecfg: EngineConfig, pool: PagedPool, store, policy: Policy | None = None):
+        self.ecfg, self.pool, self.store = ecfg, pool, store
+        self.policy = policy or FCFS()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._failed: list[tuple[Sequence, str]] = []
+
+    def take_failed(self) -> list[tuple[Sequence, str]]:
+        """Sequences whose adapter failed to load (with the reason), once each."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- planning
+    def schedule(self) -> Plan | None:
+        admitted = self._admit()
+        if admitted:
+            return Plan("prefill", admitted)
+        if not self.running:
+            return None
+        preempted = self._reserve_decode_pages()
+        return Plan("decode", list(self.running), preempted) if self.running else None
+
+    def _admit(self) -> list[Sequence]:
+        ecfg, page = self.ecfg, self.ecfg.page_size
+        batch: list[Sequence] = []
+        tokens = 0
+        for seq in self.policy.order(self.waiting):
+            n = seq.num_tokens
+            if (len(batch) >= ecfg.max_prefill_seqs or len(self.running) + len(batch) >= ecfg.max_batch_size
+                    or tokens + n > ecfg.max_prefill_tokens):
+                break
+            worst = pages_for(seq.max_total_tokens, page)
+            adapter_pages = self.store.pages_needed_to_load(seq.adapter) if seq.adapter else 0
+            if worst + adapter_pages > self.pool.num_free_pages + self.store.evictable_pages():
+                break
+            slot = self._acquire(seq)
+            if slot is None:
+                if seq.error is not None:  # adapter failed to load: the engine ends this request
+                    continue
+                break
+            need = pages_for(n, page)
+            if worst > self.pool.num_free_pages:
+                self._release(seq)
+                break
+            seq.kv_pages = self.pool.alloc_kv_pages(need, owner=seq.request_id)
+            seq.adapter_slot = slot
+            batch.append(seq)
+            tokens += n
+        for seq in batch:
+            self.waiting.remove(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        # rows of one adapter next to each other: SGMV segments
+        batch.sort(key=lambda s: s.adapter_slot)
+        return batch
+
+    def _acquire(self, seq: Sequence) -> int | None:
+        if seq.adapter is None:
+            return -1
+        try:
+            return self.store.acquire(seq.adapter)
+        except AdapterError as e:
+            seq.error = str(e)
+            self._failed.append((seq, str(e)))
+            return None
+        except NoRoom:
+            return None
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.adapter is not None:
+            self.store.release(seq.adapter)
+
+    def _reserve_decode_pages(self) -> list[Sequence]:
+        """Give every running sequence the page its next token needs, preempting the newest when short."""
+        preempted = []
+        page = self.ecfg.page_size
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            position = seq.num_tokens - 1  # the token this decode step writes
+            if position // page < len(seq.kv_pages):
+                i += 1
+                continue
+            if self.pool.num_free_pages >= 1:
+                seq.kv_pages += self.pool.alloc_kv_pages(1, owner=seq.request_id)
+                i += 1
+                continue
+            victim = self.running[-1]
+            self.preempt(victim)
+            preempted.append(victim)
+            # if the victim was seq itself, i now points past the end
+        return preempted
+
+    # ---------------------------------------------------------------- finishing
+    def free(self, seq: Sequence) -> None:
+        """Return a sequence's pages and adapter pin (finished, aborted or preempted)."""
+        if seq.kv_pages:
+            self.pool.free_kv_pages(seq.kv_pages, owner=seq.request_id)
+            seq.kv_pages = []
+        if seq.status == Status.RUNNING:
+            self._release(seq)
+            self.running.remove(seq)
+        seq.num_cached = 0
+
+    def preempt(self, seq: Sequence) -> None:
+        self.free(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status == Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.free(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason

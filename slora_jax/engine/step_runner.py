@@ -1,0 +1,156 @@
+"""Builds each step's batch in numpy, pads it to a bucket, and runs the jitted prefill / decode step.
+
+Only array data varies between steps of one bucket, so after :meth:`StepRunner.warmup` nothing compiles. The pool is
+donated to every step (updated in place) and sampling runs inside the step: only token ids come back to the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from pallas_kernels.lora_sgmv import make_tiles
+from pallas_kernels.prefill_attention import max_prefill_tiles, prefill_tile_map
+
+from ..model.config import ModelConfig
+from ..model.paged import PagedSpec, StepBatch, paged_forward
+from .config import EngineConfig
+from .sampling import SamplingArrays, SamplingParams, sample, sampling_arrays
+
+
+@dataclasses.dataclass
+class StepItem:
+    """One sequence's part in a step: compute ``tokens`` at positions ``start..``; KV pages ``pages``."""
+
+    tokens: list[int]
+    start: int
+    pages: list[int]
+    adapter_slot: int  # -1 = base model
+    sampling: SamplingParams | None
+    seed: int
+    counter: int  # tokens generated so far (fresh randomness per step)
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+class StepRunner:
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, interpret: bool | None = None):
+        self.cfg, self.ecfg = cfg, ecfg
+        spec = dict(backend=ecfg.backend, page_size=ecfg.page_size, max_rank=ecfg.max_lora_rank,
+                    lora_block_t=ecfg.lora_block_t, attn_block_q=ecfg.attn_block_q, interpret=interpret)
+        self.prefill_spec = PagedSpec(mode="prefill", **spec)
+        self.decode_spec = PagedSpec(mode="decode", **spec)
+        self._prefill = jax.jit(functools.partial(_step, cfg, self.prefill_spec), donate_argnums=(1,))
+        self._decode = jax.jit(functools.partial(_step, cfg, self.decode_spec), donate_argnums=(1,))
+
+    # ---------------------------------------------------------------- batch building (numpy)
+    def _base_arrays(self, n_rows: int, n_seqs: int) -> dict[str, np.ndarray]:
+        return dict(
+            tokens=np.zeros(n_rows, np.int32), positions=np.zeros(n_rows, np.int32),
+            kv_slots=np.full(n_rows, -1, np.int32), row_slot=np.full(n_rows, -1, np.int32),
+            page_table=np.zeros((n_seqs, self.ecfg.max_pages_per_seq), np.int32),
+            context_lens=np.zeros(n_seqs, np.int32), q_starts=np.zeros(n_seqs + 1, np.int32),
+            logits_rows=np.zeros(n_seqs, np.int32))
+
+    def _fill(self, a: dict, items: list[StepItem], row_of: Callable[[int], int]) -> None:
+        page = self.ecfg.page_size
+        for i, it in enumerate(items):
+            r0, n = row_of(i), len(it.tokens)
+            pos = np.arange(it.start, it.start + n)
+            pages = np.asarray(it.pages, np.int32)
+            a["tokens"][r0:r0 + n] = it.tokens
+            a["positions"][r0:r0 + n] = pos
+            a["kv_slots"][r0:r0 + n] = pages[pos // page] * page + pos % page
+            a["row_slot"][r0:r0 + n] = it.adapter_slot
+            a["page_table"][i, : len(pages)] = pages
+            a["context_lens"][i] = it.start + n
+            a["logits_rows"][i] = r0 + n - 1
+
+    def build_prefill(self, items: list[StepItem]) -> tuple[StepBatch, SamplingArrays]:
+        """Items should come grouped by adapter (SGMV segments); rows are laid out in the given order."""
+        ecfg = self.ecfg
+        total = sum(len(it.tokens) for it in items)
+        n_rows, n_seqs = _bucket(total, ecfg.prefill_buckets), ecfg.max_prefill_seqs
+        if len(items) > n_seqs:
+            raise ValueError(f"{len(items)} sequences exceed max_prefill_seqs={n_seqs}")
+        a = self._base_arrays(n_rows, n_seqs)
+        starts = np.cumsum([0] + [len(it.tokens) for it in items])
+        self._fill(a, items, lambda i: int(starts[i]))
+        a["q_starts"][: len(items) + 1] = starts
+        a["q_starts"][len(items) + 1:] = total
+        lora = make_tiles(a["row_slot"], ecfg.lora_block_t, self._lora_tiles(n_rows))
+        a["lora_tiles"] = np.stack([lora.start, lora.length, lora.slot]).astype(np.int32)
+        a["attn_tiles"] = prefill_tile_map(a["q_starts"], a["context_lens"], n_rows, ecfg.attn_block_q,
+                                           max_prefill_tiles(n_rows, n_seqs, ecfg.attn_block_q))
+        return self._finish(a, items, n_seqs)
+
+    def build_decode(self, items: list[StepItem]) -> tuple[StepBatch, SamplingArrays]:
+        n = _bucket(len(items), self.ecfg.decode_buckets)
+        a = self._base_arrays(n, n)
+        self._fill(a, items, lambda i: i)
+        a["q_starts"][:] = np.minimum(np.arange(n + 1), len(items))
+        a["lora_tiles"] = np.zeros((3, 1), np.int32)
+        a["attn_tiles"] = np.zeros((1, 4), np.int32)
+        return self._finish(a, items, n)
+
+    def _lora_tiles(self, n_rows: int) -> int:
+        return -(-n_rows // self.ecfg.lora_block_t) + self.ecfg.max_prefill_seqs + 1
+
+    def _finish(self, a: dict, items: list[StepItem], n_seqs: int) -> tuple[StepBatch, SamplingArrays]:
+        pad = [None] * (n_seqs - len(items))
+        s = sampling_arrays([it.sampling for it in items] + pad, [it.seed for it in items] + [0] * len(pad),
+                            [it.counter for it in items] + [0] * len(pad), n_seqs)
+        return StepBatch(**a), SamplingArrays(**s)
+
+    # ---------------------------------------------------------------- running
+    def prefill(self, params, pool, table, items: list[StepItem]) -> tuple[jax.Array, jax.Array]:
+        """Dispatch a prefill step; returns (next token ids [max_prefill_seqs], pool) without waiting."""
+        batch, s = self.build_prefill(items)
+        return self._prefill(params, pool, table, batch, s)
+
+    def decode(self, params, pool, table, items: list[StepItem]) -> tuple[jax.Array, jax.Array]:
+        batch, s = self.build_decode(items)
+        return self._decode(params, pool, table, batch, s)
+
+    def warmup(self, params, pool, table, progress: bool = True) -> jax.Array:
+        """Compile every bucket with an all-padding batch (writes nothing: every KV slot is -1)."""
+        ecfg = self.ecfg
+        jobs = [("prefill", n) for n in ecfg.prefill_buckets] + [("decode", n) for n in ecfg.decode_buckets]
+        for kind, n in tqdm(jobs, desc="compiling step buckets", disable=not progress):
+            if kind == "prefill":
+                a = self._base_arrays(n, ecfg.max_prefill_seqs)
+                a["lora_tiles"] = np.zeros((3, self._lora_tiles(n)), np.int32)
+                a["lora_tiles"][0] = n
+                a["q_starts"][:] = 0
+                a["attn_tiles"] = prefill_tile_map(a["q_starts"], a["context_lens"], n, ecfg.attn_block_q,
+                                                   max_prefill_tiles(n, ecfg.max_prefill_seqs, ecfg.attn_block_q))
+                batch, s = self._finish(a, [], ecfg.max_prefill_seqs)
+                tokens, pool = self._prefill(params, pool, table, batch, s)
+            else:
+                a = self._base_arrays(n, n)
+                a["lora_tiles"] = np.zeros((3, 1), np.int32)
+                a["attn_tiles"] = np.zeros((1, 4), np.int32)
+                batch, s = self._finish(a, [], n)
+                tokens, pool = self._decode(params, pool, table, batch, s)
+            tokens.block_until_ready()
+        return pool
+
+
+def _step(cfg: ModelConfig, spec: PagedSpec, params, pool, table, batch: StepBatch, s: SamplingArrays):
+    logits, pool = paged_forward(cfg, spec, params, pool, table, batch)
+    return sample(logits, s), pool
+
+
+def device_batch(batch: StepBatch) -> StepBatch:
+    return jax.tree.map(jnp.asarray, batch)

@@ -1,0 +1,116 @@
+"""The serving forward: KV cache and adapter weights both in the unified paged pool (docs/DESIGN.md).
+
+``PagedOps`` plugs into the layer code of :mod:`slora_jax.model.llama`: attention writes K/V into the pool and reads
+them back through page tables; the LoRA delta is gathered from adapter pages by the SGMV (prefill) / BGMV (decode)
+kernels, or by their jnp references (``backend="reference"``), which compute the same function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from pallas_kernels import lora_bgmv, lora_sgmv
+from pallas_kernels.kv_cache import write_kv
+from pallas_kernels.lora_common import AdapterTable
+from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from pallas_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
+
+from .config import MODULES, ModelConfig
+from .llama import forward
+
+BACKENDS = ("reference", "pallas")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepBatch:
+    """Array inputs of one prefill or decode step (all padded to a bucket by the engine).
+
+    T token rows, B sequences. Decode: T == B, one token per sequence.
+    """
+
+    tokens: jax.Array  # int32[T]
+    positions: jax.Array  # int32[T]
+    kv_slots: jax.Array  # int32[T]   page * P + offset; -1 = padding
+    row_slot: jax.Array  # int32[T]   adapter slot of each row; -1 = none
+    page_table: jax.Array  # int32[B, max_pages]
+    context_lens: jax.Array  # int32[B]   tokens in the cache after this step; 0 = padding sequence
+    q_starts: jax.Array  # int32[B + 1] cumulative row starts (prefill)
+    logits_rows: jax.Array  # int32[B]   the row whose logits each sequence needs
+    lora_tiles: jax.Array  # int32[3, NT] (start, len, slot) SGMV tiles (prefill; unused in decode)
+    attn_tiles: jax.Array  # int32[NTA, 4] prefill attention tile map (prefill; unused in decode)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedSpec:
+    """Static choices of a step (part of the jit cache key)."""
+
+    mode: str  # "prefill" | "decode"
+    backend: str = "pallas"  # "pallas" | "reference"
+    page_size: int = 16
+    max_rank: int = 16
+    lora_block_t: int = 16
+    attn_block_q: int = 16
+    interpret: bool | None = None
+
+
+@dataclasses.dataclass
+class PagedOps:
+    cfg: ModelConfig
+    spec: PagedSpec
+    batch: StepBatch
+    table: AdapterTable
+    use_lora: bool = True
+
+    def lora(self, x, y, modules, layer, pool):
+        if not self.use_lora:
+            return y
+        d_outs = tuple(self.cfg.module_dims(MODULES[m])[1] for m in modules)
+        pallas, interpret, rank = self.spec.backend == "pallas", self.spec.interpret, self.spec.max_rank
+        if self.spec.mode == "decode":
+            slots = self.batch.row_slot
+            shrink = lora_bgmv.bgmv_shrink if pallas else lora_bgmv.bgmv_shrink_reference
+            expand = lora_bgmv.bgmv_expand if pallas else lora_bgmv.bgmv_expand_reference
+            y_small = shrink(x, pool, layer, slots, self.table, modules, rank, interpret=interpret)
+            return expand(y_small, y, pool, layer, slots, self.table, modules, d_outs, interpret=interpret)
+        tiles = lora_sgmv.SegmentTiles(*self.batch.lora_tiles)
+        block_t = self.spec.lora_block_t
+        shrink = lora_sgmv.sgmv_shrink if pallas else lora_sgmv.sgmv_shrink_reference
+        expand = lora_sgmv.sgmv_expand if pallas else lora_sgmv.sgmv_expand_reference
+        y_small = shrink(x, pool, layer, tiles, self.table, modules, rank, block_t, interpret=interpret)
+        return expand(y_small, y, pool, layer, tiles, self.table, modules, d_outs, block_t, interpret=interpret)
+
+    def attend(self, q, k, v, layer, pool):
+        cfg, spec, b = self.cfg, self.spec, self.batch
+        pool = write_kv(pool, layer, k, v, b.kv_slots, spec.page_size)
+        common = dict(page_size=spec.page_size, num_kv_heads=cfg.num_key_value_heads,
+                      sm_scale=1.0 / math.sqrt(cfg.head_dim))
+        if spec.mode == "decode":
+            if spec.backend == "pallas":
+                out = paged_decode_attention(q, pool, layer, b.page_table, b.context_lens, interpret=spec.interpret,
+                                             **common)
+            else:
+                out = paged_decode_attention_reference(q, pool, layer, b.page_table, b.context_lens, **common)
+        elif spec.backend == "pallas":
+            out = paged_prefill_attention(q, pool, layer, b.page_table, b.q_starts, b.context_lens,
+                                          block_q=spec.attn_block_q, tile_map=b.attn_tiles,
+                                          interpret=spec.interpret, **common)
+        else:
+            out = paged_prefill_attention_reference(q, pool, layer, b.page_table, b.q_starts, b.context_lens, **common)
+        return out, pool
+
+
+def paged_forward(cfg: ModelConfig, spec: PagedSpec, params: dict, pool: jax.Array, table: AdapterTable,
+                  batch: StepBatch, use_lora: bool = True) -> tuple[jax.Array, jax.Array]:
+    """(logits float32[B, vocab] of each sequence's ``logits_rows`` row, updated pool)."""
+    ops = PagedOps(cfg, spec, batch, table, use_lora)
+    return forward(cfg, params, batch.tokens, batch.positions, ops, pool, batch.logits_rows)
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
