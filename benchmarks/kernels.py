@@ -1,0 +1,460 @@
+"""LoRA kernel benchmark: BGMV (decode) and SGMV (prefill) at Llama-2-7B shapes, one layer.
+
+    PYTHONPATH=. python benchmarks/kernels.py --out results.json      # H200: < 8 minutes
+    PYTHONPATH=. python benchmarks/kernels.py --tiny --out /tmp/t.json # CPU, interpret mode, tiny shapes
+
+Correctness first (bf16 kernels vs the fp32-accumulating jnp reference, relative error of the LoRA delta), then
+median times of N calls run inside one jitted loop (so Python dispatch is not timed). For every case: bytes that
+must move (adapter weights read + x, y, base/out), achieved GB/s against the copy bandwidth measured in this run
+(torch ``b.copy_(a)`` on 2 GiB in a subprocess before jax starts; a jax copy if torch is absent), and speed-ups over
+(i) the jnp reference compiled by XLA and (ii) a padded baseline (every adapter padded to the largest rank and
+stacked densely, gathered per row with einsum, as dense-stacking servers do). Prefill also times the base
+projections (x @ W) and reports the LoRA overhead.
+
+Times are per layer. Module groups are timed separately (q,k,v | o | gate,up | down: one shrink + one expand each,
+as the model calls them); "all7" sums the four groups, "qkvo" the first two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+COPY_SRC = r"""
+import json, sys
+try:
+    import torch
+except Exception:
+    print(json.dumps({"ok": False, "why": "no torch"})); sys.exit()
+if not torch.cuda.is_available():
+    print(json.dumps({"ok": False, "why": "no cuda in torch"})); sys.exit()
+n = (2 << 30) // 2
+a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+b = torch.empty_like(a)
+for _ in range(3):
+    b.copy_(a)
+torch.cuda.synchronize()
+times = []
+for _ in range(10):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(5):
+        b.copy_(a)
+    e.record()
+    e.synchronize()
+    times.append(s.elapsed_time(e) / 5 / 1e3)
+t = sorted(times)[len(times) // 2]
+print(json.dumps({"ok": True, "gbps": 2 * a.numel() * 2 / t / 1e9, "method": "torch copy_ 2GiB bf16 (read+write)",
+                  "device": torch.cuda.get_device_name()}))
+"""
+
+
+def torch_copy_bandwidth() -> dict:
+    """Copy bandwidth from torch in a subprocess, before jax holds the GPU (read + write bytes per second)."""
+    try:
+        res = subprocess.run([sys.executable, "-c", COPY_SRC], capture_output=True, text=True, timeout=180)
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    except Exception as e:  # noqa: BLE001 - any failure means "use the jax fallback"
+        return {"ok": False, "why": repr(e)[:200]}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results.json")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, interpret mode (CPU smoke test)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep of the headline decode case")
+    p.add_argument("--pool-gib", type=float, default=8.0, help="pool size (>4 GiB exercises 64-bit addressing)")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+COPY = {"ok": False, "why": "tiny"} if ARGS.tiny else torch_copy_bandwidth()
+
+import functools  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+from pallas_kernels.lora_bgmv import bgmv_expand, bgmv_expand_reference, bgmv_shrink, bgmv_shrink_reference  # noqa: E402
+from pallas_kernels.lora_common import AdapterTable, Tuning, gather_lora_a, gather_lora_b, pack_offsets  # noqa: E402
+from pallas_kernels.lora_sgmv import (  # noqa: E402
+    SegmentTiles,
+    make_tiles,
+    max_tiles,
+    sgmv_expand,
+    sgmv_expand_reference,
+    sgmv_shrink,
+    sgmv_shrink_reference,
+)
+
+BF16 = jnp.bfloat16
+
+if ARGS.tiny:
+    HIDDEN, INTER, VDIM, KV_WIDTH, PAGE_ROWS = 64, 96, 16, 64, 32
+    DECODE_BATCHES, RANK_CONFIGS = (1, 4), {"r8": (8,), "mix": (4, 8)}
+    PREFILL_TOKENS, PREFILL_ADAPTERS, PREFILL_RANK, BLOCK_T = 32, (1, 4), 8, 8
+    MIN_LOOP_S, REPEATS = 0.0, 2
+else:  # Llama-2-7B: hidden 4096, intermediate 11008, head_dim 128, 32 heads MHA; pages of 16 tokens
+    HIDDEN, INTER, VDIM, KV_WIDTH, PAGE_ROWS = 4096, 11008, 128, 4096, 2 * 32 * 16
+    DECODE_BATCHES, RANK_CONFIGS = (1, 16, 64, 256), {"r8": (8,), "r16": (16,), "r64": (64,), "mix": (8, 16, 32, 64)}
+    PREFILL_TOKENS, PREFILL_ADAPTERS, PREFILL_RANK, BLOCK_T = 4096, (1, 8, 64), 16, 64
+    MIN_LOOP_S, REPEATS = 0.03, 5
+
+SWEEP_DEADLINE_S = 330  # run the optional tuning sweep only if the main cases finished by then
+
+MODULE_DIMS = ((HIDDEN, HIDDEN), (HIDDEN, KV_WIDTH), (HIDDEN, KV_WIDTH), (HIDDEN, HIDDEN), (HIDDEN, INTER),
+               (HIDDEN, INTER), (INTER, HIDDEN))
+GROUPS = {"qkv": (0, 1, 2), "o": (3,), "gate_up": (4, 5), "down": (6,)}
+MODULE_SETS = {"all7": ("qkv", "o", "gate_up", "down"), "qkvo": ("qkv", "o")}
+
+
+def group_dims(modules):
+    return MODULE_DIMS[modules[0]][0], tuple(MODULE_DIMS[m][1] for m in modules)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pool and adapter tables
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def make_pool():
+    """One layer of a bf16 pool filled with random values (every adapter's weights are what its pages hold)."""
+    page_bytes = PAGE_ROWS * VDIM * 2
+    need = max(DECODE_BATCHES) * pages_per_adapter(max(max(r) for r in RANK_CONFIGS.values()))
+    num_pages = max(int(need * 1.25) + 8, int(ARGS.pool_gib * 2**30 // page_bytes) if not ARGS.tiny else 0)
+    pool = jax.random.normal(jax.random.key(0), (1, num_pages, PAGE_ROWS, VDIM), BF16)
+    return jax.block_until_ready(pool)
+
+
+def pages_per_adapter(rank: int) -> int:
+    _, _, vectors = pack_offsets(np.full((1, 7), rank), MODULE_DIMS, VDIM)
+    return int(-(-vectors.max() // PAGE_ROWS))
+
+
+def make_table(rng, ranks: list[int], num_pages: int) -> AdapterTable:
+    """Adapters (one per entry of ``ranks``, all 7 modules) on random non-contiguous pages of the pool."""
+    n = len(ranks)
+    need = [pages_per_adapter(r) for r in ranks]
+    perm = rng.permutation(num_pages)
+    pages = np.zeros((n, max(need)), np.int32)
+    rank = np.zeros((n, 1, 7), np.int32)
+    a_off = np.zeros_like(rank)
+    b_off = np.zeros_like(rank)
+    used = 0
+    for s, r in enumerate(ranks):
+        pages[s, : need[s]] = perm[used: used + need[s]]
+        used += need[s]
+        rank[s, 0] = r
+        a_off[s], b_off[s], _ = pack_offsets(rank[s], MODULE_DIMS, VDIM)
+    scale = rng.uniform(0.5, 2.0, size=rank.shape).astype(np.float32)
+    return AdapterTable(*(jnp.asarray(a) for a in (pages, rank, a_off, b_off, scale)))
+
+
+def adapter_bytes(ranks, modules) -> int:
+    return sum(r * (MODULE_DIMS[m][0] + MODULE_DIMS[m][1]) * 2 for r in ranks for m in modules)
+
+
+def io_bytes(n_rows, modules, max_rank) -> int:
+    """x read, y written and read (fp32), base read and out written."""
+    d_in, d_outs = group_dims(modules)
+    return n_rows * (d_in * 2 + len(modules) * max_rank * 4 * 2 + sum(d_outs) * 2 * 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Implementations of one module group: fn(x, base, *operands) -> base + LoRA delta
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def kernel_decode(x, base, pool, row_slot, table, *, modules, max_rank, tuning=None):
+    d_outs = group_dims(modules)[1]
+    y = bgmv_shrink(x, pool, jnp.int32(0), row_slot, table, modules, max_rank, tuning=tuning)
+    return bgmv_expand(y, base, pool, jnp.int32(0), row_slot, table, modules, d_outs, tuning=tuning)
+
+
+def reference_decode(x, base, pool, row_slot, table, *, modules, max_rank):
+    d_outs = group_dims(modules)[1]
+    y = bgmv_shrink_reference(x, pool, jnp.int32(0), row_slot, table, modules, max_rank)
+    return bgmv_expand_reference(y, base, pool, jnp.int32(0), row_slot, table, modules, d_outs)
+
+
+def kernel_prefill(x, base, pool, tiles, table, *, modules, max_rank):
+    d_outs = group_dims(modules)[1]
+    y = sgmv_shrink(x, pool, jnp.int32(0), tiles, table, modules, max_rank, BLOCK_T)
+    return sgmv_expand(y, base, pool, jnp.int32(0), tiles, table, modules, d_outs, BLOCK_T)
+
+
+def reference_prefill(x, base, pool, tiles, table, *, modules, max_rank):
+    d_outs = group_dims(modules)[1]
+    y = sgmv_shrink_reference(x, pool, jnp.int32(0), tiles, table, modules, max_rank, BLOCK_T)
+    return sgmv_expand_reference(y, base, pool, jnp.int32(0), tiles, table, modules, d_outs, BLOCK_T)
+
+
+def padded_lora(x, base, a_stack, b_stack, scale, row_slot, *, modules):
+    """Dense stacking: per module ``a_stack [S, d_in, r_max]``, ``b_stack [S, r_max, d_out]``, gathered per row."""
+    outs = []
+    for i in range(len(modules)):
+        a = a_stack[i][row_slot]
+        y = jnp.einsum("td,tdr->tr", x, a, preferred_element_type=jnp.float32)
+        b = b_stack[i][row_slot]
+        delta = jnp.einsum("tr,tro->to", y.astype(x.dtype), b, preferred_element_type=jnp.float32)
+        outs.append(delta * scale[i][row_slot][:, None])
+    return (base.astype(jnp.float32) + jnp.concatenate(outs, axis=1)).astype(base.dtype)
+
+
+def base_matmul(x, base, w):
+    del base
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def padded_stacks(pool, table, modules, r_max):
+    """Dense padded copies of every adapter's weights (built once, outside timing)."""
+    slots = jnp.arange(table.pages.shape[0], dtype=jnp.int32)
+    d_in, d_outs = group_dims(modules)
+    a = tuple(gather_lora_a(pool, table, 0, slots, m, d_in, r_max) for m in modules)
+    b = tuple(gather_lora_b(pool, table, 0, slots, m, d, r_max) for m, d in zip(modules, d_outs, strict=True))
+    scale = tuple(table.scale[:, 0, m] for m in modules)
+    return jax.block_until_ready((a, b, scale))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Timing: N calls inside one jitted loop; each iteration feeds its output back so nothing can be hoisted.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _loop(fn, n, x, base, *operands):
+    def body(_, carry):
+        x, base = carry
+        out = fn(x, base, *operands)
+        x = lax.dynamic_update_slice(x, out[:1, :1].astype(x.dtype), (0, 0))
+        return x, out
+
+    return lax.fori_loop(0, n, body, (x, base))
+
+
+def time_fn(fn, x, base, *operands) -> float:
+    """Median seconds per call."""
+    jax.block_until_ready(_loop(fn, 1, x, base, *operands))  # compile + warm up
+    n = 3
+    while True:
+        t0 = time.perf_counter()
+        jax.block_until_ready(_loop(fn, n, x, base, *operands))
+        dt = time.perf_counter() - t0
+        if dt >= MIN_LOOP_S or n >= 4096:
+            break
+        n = min(4096, max(2 * n, int(n * 1.2 * MIN_LOOP_S / max(dt, 1e-6))))
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        jax.block_until_ready(_loop(fn, n, x, base, *operands))
+        times.append((time.perf_counter() - t0) / n)
+    return float(np.median(times))
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Cases
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def run_group(kind, modules, n_rows, ranks, max_rank, pool, table, row_slot, tiles, rng):
+    """Correctness, then kernel / reference / padded times for one module group."""
+    d_in, d_outs = group_dims(modules)
+    x = jnp.asarray(rng.normal(size=(n_rows, d_in)), BF16)
+    zeros = jnp.zeros((n_rows, sum(d_outs)), BF16)
+    base = jnp.asarray(rng.normal(size=(n_rows, sum(d_outs))), BF16)
+    kw = {"modules": modules, "max_rank": max_rank}
+    if kind == "decode":
+        kfn, rfn, sel = functools.partial(kernel_decode, **kw), functools.partial(reference_decode, **kw), row_slot
+    else:
+        kfn, rfn, sel = functools.partial(kernel_prefill, **kw), functools.partial(reference_prefill, **kw), tiles
+    # One loop step on base = 0 gives the delta; reuses the executables that are timed below. The reference
+    # accumulates exact bf16 products in fp32 (HIGHEST) and rounds once to bf16.
+    err = rel_err(_loop(kfn, 1, x, zeros, pool, sel, table)[1], _loop(rfn, 1, x, zeros, pool, sel, table)[1])
+    t_kernel = time_fn(kfn, x, base, pool, sel, table)
+    t_ref = time_fn(rfn, x, base, pool, sel, table)
+    a_st, b_st, sc = padded_stacks(pool, table, modules, max_rank)
+    t_pad = time_fn(functools.partial(padded_lora, modules=modules), x, base, a_st, b_st, sc, row_slot)
+    del a_st, b_st
+    res = {"kernel_s": t_kernel, "reference_s": t_ref, "padded_s": t_pad, "rel_err": err,
+           "adapter_bytes": adapter_bytes(ranks, modules), "io_bytes": io_bytes(n_rows, modules, max_rank)}
+    if kind == "prefill":
+        w = jnp.asarray(rng.normal(size=(d_in, sum(d_outs))) / np.sqrt(d_in), BF16)
+        res["base_s"] = time_fn(base_matmul, x, base, w)
+    return res
+
+
+def summarize(kind, set_name, groups: dict, n_rows, n_adapters, rank_name, copy_gbps):
+    tot = {k: sum(groups[g][k] for g in MODULE_SETS[set_name]) for k in
+           ("kernel_s", "reference_s", "padded_s", "adapter_bytes", "io_bytes")}
+    row = {
+        "kind": kind, "modules": set_name, "rows": n_rows, "adapters": n_adapters, "rank": rank_name,
+        "time_us": tot["kernel_s"] * 1e6, "reference_us": tot["reference_s"] * 1e6, "padded_us": tot["padded_s"] * 1e6,
+        "adapter_bytes": tot["adapter_bytes"], "total_bytes": tot["adapter_bytes"] + tot["io_bytes"],
+        "rel_err": max(groups[g]["rel_err"] for g in MODULE_SETS[set_name]),
+        "groups_us": {g: groups[g]["kernel_s"] * 1e6 for g in MODULE_SETS[set_name]},
+    }
+    row["adapter_gbps"] = row["adapter_bytes"] / tot["kernel_s"] / 1e9
+    row["total_gbps"] = row["total_bytes"] / tot["kernel_s"] / 1e9
+    row["pct_copy_adapter"] = 100 * row["adapter_gbps"] / copy_gbps
+    row["pct_copy_total"] = 100 * row["total_gbps"] / copy_gbps
+    row["speedup_vs_reference"] = tot["reference_s"] / tot["kernel_s"]
+    row["speedup_vs_padded"] = tot["padded_s"] / tot["kernel_s"]
+    if kind == "prefill":
+        base_s = sum(groups[g]["base_s"] for g in MODULE_SETS[set_name])
+        row["base_us"] = base_s * 1e6
+        row["lora_overhead_pct"] = 100 * tot["kernel_s"] / base_s
+    return row
+
+
+def tuning_sweep(pool, rng, copy_gbps):
+    """Headline decode case (batch 256, 256 rank-16 adapters) under a few launch configs, per group."""
+    n = max(DECODE_BATCHES)
+    ranks = [16] * n
+    table = make_table(rng, ranks, pool.shape[1])
+    row_slot = jnp.asarray(rng.permutation(n).astype(np.int32))
+    out = []
+    for tile_elems in (4096, 8192, 16384):
+        for num_warps in (4, 8):
+            tuning = Tuning(tile_elems=tile_elems, num_warps=num_warps)
+            total, per = 0.0, {}
+            for g, modules in GROUPS.items():
+                d_in, d_outs = group_dims(modules)
+                x = jnp.asarray(rng.normal(size=(n, d_in)), BF16)
+                base = jnp.asarray(rng.normal(size=(n, sum(d_outs))), BF16)
+                fn = functools.partial(kernel_decode, modules=modules, max_rank=16, tuning=tuning)
+                per[g] = time_fn(fn, x, base, pool, row_slot, table)
+                total += per[g]
+            gbps = adapter_bytes(ranks, range(7)) / total / 1e9
+            out.append({"tile_elems": tile_elems, "num_warps": num_warps, "time_us": total * 1e6,
+                        "groups_us": {g: t * 1e6 for g, t in per.items()}, "adapter_gbps": gbps,
+                        "pct_copy_adapter": 100 * gbps / copy_gbps})
+            print(f"  sweep tile_elems={tile_elems:5d} warps={num_warps}: {total * 1e6:8.1f} us "
+                  f"{gbps:7.1f} GB/s ({100 * gbps / copy_gbps:.0f}% copy)", flush=True)
+    return out
+
+
+def _negate(x, base):
+    return -base
+
+
+def jax_copy_bandwidth() -> float:
+    """Fallback copy bandwidth: an XLA elementwise pass over 2 GiB (64 MiB with --tiny), read + write bytes."""
+    n = (64 << 20) if ARGS.tiny else (1 << 30)
+    a = jnp.ones((n // 1024, 1024), BF16)
+    return 2 * n * 2 / time_fn(_negate, a[:1, :1], a) / 1e9
+
+
+def git_commit() -> str:
+    try:
+        res = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        return res.stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def print_table(rows):
+    head = (f"{'kind':7s} {'mods':4s} {'rows':>5s} {'adap':>4s} {'rank':>4s} {'us':>8s} {'GB/s':>7s} {'%copy':>5s} "
+            f"{'xRef':>6s} {'xPad':>6s} {'relerr':>8s} {'base_us':>8s} {'ovh%':>6s}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        extra = f"{r['base_us']:8.1f} {r['lora_overhead_pct']:6.1f}" if r["kind"] == "prefill" else ""
+        print(f"{r['kind']:7s} {r['modules']:4s} {r['rows']:5d} {r['adapters']:4d} {r['rank']:>4s} {r['time_us']:8.1f} "
+              f"{r['adapter_gbps']:7.1f} {r['pct_copy_adapter']:5.0f} {r['speedup_vs_reference']:6.2f} "
+              f"{r['speedup_vs_padded']:6.2f} {r['rel_err']:8.1e} {extra}")
+
+
+def main():
+    t_start = time.perf_counter()
+    copy = dict(COPY)
+    if not copy.get("ok"):
+        copy = {"ok": True, "gbps": jax_copy_bandwidth(), "method": f"jax negate (torch: {COPY.get('why')})"}
+    copy_gbps = copy["gbps"]
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind}  jax {jax.__version__}  copy bandwidth {copy_gbps:.0f} GB/s ({copy['method']})",
+          flush=True)
+    pool = make_pool()
+    print(f"pool: {pool.shape} {pool.dtype} ({pool.nbytes / 2**30:.1f} GiB)", flush=True)
+    rng = np.random.default_rng(0)
+    rows = []
+
+    for n in DECODE_BATCHES:
+        for rank_name, rank_set in RANK_CONFIGS.items():
+            ranks = [rank_set[i % len(rank_set)] for i in range(n)]
+            max_rank = max(ranks)
+            table = make_table(rng, ranks, pool.shape[1])
+            row_slot = jnp.asarray(rng.permutation(n).astype(np.int32))  # n distinct adapters, shuffled
+            groups = {g: run_group("decode", mods, n, ranks, max_rank, pool, table, row_slot, None, rng)
+                      for g, mods in GROUPS.items()}
+            for set_name in MODULE_SETS:
+                rows.append(summarize("decode", set_name, groups, n, n, rank_name, copy_gbps))
+            r = rows[-2]
+            print(f"decode T={n:4d} {rank_name:4s}: {r['time_us']:8.1f} us  {r['adapter_gbps']:7.1f} GB/s "
+                  f"({r['pct_copy_adapter']:.0f}% copy)  x{r['speedup_vs_reference']:.2f} ref  "
+                  f"x{r['speedup_vs_padded']:.2f} padded  err {r['rel_err']:.1e}  [{time.perf_counter() - t_start:.0f} s]",
+                  flush=True)
+
+    for n_ad in PREFILL_ADAPTERS:
+        ranks = [PREFILL_RANK] * n_ad
+        table = make_table(rng, ranks, pool.shape[1])
+        seg = PREFILL_TOKENS // n_ad
+        row_slot_np = np.repeat(rng.permutation(n_ad).astype(np.int32), seg)
+        bucket = max_tiles(PREFILL_TOKENS, n_ad, BLOCK_T)
+        tiles = SegmentTiles(*(jnp.asarray(a) for a in make_tiles(row_slot_np, BLOCK_T, bucket)))
+        groups = {g: run_group("prefill", mods, PREFILL_TOKENS, ranks, PREFILL_RANK, pool, table,
+                               jnp.asarray(row_slot_np), tiles, rng) for g, mods in GROUPS.items()}
+        for set_name in MODULE_SETS:
+            rows.append(summarize("prefill", set_name, groups, PREFILL_TOKENS, n_ad, f"r{PREFILL_RANK}", copy_gbps))
+        r = rows[-2]
+        print(f"prefill {PREFILL_TOKENS} tok / {n_ad:2d} adapters: {r['time_us']:8.1f} us  base {r['base_us']:8.1f} us "
+              f"(overhead {r['lora_overhead_pct']:.1f}%)  x{r['speedup_vs_reference']:.2f} ref  "
+              f"x{r['speedup_vs_padded']:.2f} padded  err {r['rel_err']:.1e}  [{time.perf_counter() - t_start:.0f} s]",
+              flush=True)
+
+    sweep = []
+    if not (ARGS.no_sweep or ARGS.tiny):
+        if time.perf_counter() - t_start < SWEEP_DEADLINE_S:
+            sweep = tuning_sweep(pool, rng, copy_gbps)
+        else:
+            print("skipping the tuning sweep: not enough time left in the 8 minute budget")
+
+    print()
+    print_table(rows)
+    headline = [r for r in rows if r["kind"] == "decode" and r["rows"] == max(DECODE_BATCHES)
+                and r["rank"] == ("r16" if "r16" in RANK_CONFIGS else "r8") and r["modules"] == "all7"]
+    if headline:
+        print(f"\nheadline: decode batch {headline[0]['rows']}, distinct {headline[0]['rank']} adapters, all 7 modules:"
+              f" {headline[0]['pct_copy_adapter']:.0f}% of copy bandwidth on adapter bytes (target >= 60%)")
+    worst = max(r["rel_err"] for r in rows)
+    print(f"worst relative error vs fp32 reference: {worst:.2e}")
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "device": device.device_kind, "platform": device.platform, "jax_version": jax.__version__,
+        "git_commit": git_commit(), "tiny": ARGS.tiny, "copy_bandwidth": copy,
+        "shapes": {"hidden": HIDDEN, "intermediate": INTER, "head_dim": VDIM, "kv_width": KV_WIDTH,
+                   "page_rows": PAGE_ROWS, "pool_shape": list(pool.shape), "prefill_block_t": BLOCK_T},
+        "cases": rows, "tuning_sweep": sweep, "worst_rel_err": worst,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    with open(ARGS.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {ARGS.out} ({result['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

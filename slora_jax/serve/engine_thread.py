@@ -1,0 +1,308 @@
+"""Run the engine in its own thread; HTTP handlers talk to it only through thread-safe queues.
+
+The engine is not thread-safe and a step blocks for the duration of a device step, so it cannot run on the event
+loop. Every touch of the engine (add, abort, adapter registration, stats) is queued here and done between steps by
+the one engine thread; outputs come back to each request's ``asyncio.Queue`` via ``loop.call_soon_threadsafe``. The
+thread steps while there is work and sleeps on a condition variable when idle. A step that raises fails only the
+requests that were in it (their clients get an error, not a hang) and the thread keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..engine.sampling import SamplingParams
+from ..engine.sequence import RequestOutput
+
+log = logging.getLogger("slora_jax.serve")
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine thread is not running (stopped, or its pool was lost after a failed step)."""
+
+
+class RequestStream:
+    """One request's outputs, in order, as the engine thread produces them; iterate until ``finished``."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.finished = False
+
+    def put_threadsafe(self, out: RequestOutput) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+    async def get(self, timeout: float | None = None) -> RequestOutput:
+        out = await asyncio.wait_for(self.queue.get(), timeout)
+        if out.finished:
+            self.finished = True
+        return out
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        return await self.get()
+
+
+@dataclasses.dataclass
+class _Submission:
+    request_id: str
+    prompt_ids: list[int]
+    adapter: str | None
+    sampling: SamplingParams
+    stream: RequestStream
+    accepted: asyncio.Future
+
+
+@dataclasses.dataclass
+class _Call:
+    fn: Callable[[], Any]
+    done: asyncio.Future | None  # None: fire and forget
+
+
+def _resolve(fut: asyncio.Future | None, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete an event-loop future from the engine thread (ignored if the waiter went away)."""
+    if fut is None:
+        return
+
+    def settle() -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    with contextlib.suppress(RuntimeError):
+        fut.get_loop().call_soon_threadsafe(settle)
+
+
+class EngineThread:
+    """Owns the engine: ``submit`` / ``abort`` / ``call`` from the event loop, steps in a daemon thread."""
+
+    def __init__(self, engine, name: str = "slora-engine"):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._submits: list[_Submission] = []
+        self._aborts: list[str] = []
+        self._calls: list[_Call] = []
+        self._streams: dict[str, RequestStream] = {}  # engine-thread only
+        self._finished: list[str] = []  # engine-thread only: ids to release after the outputs went out
+        self._stopping = False
+        self._held = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.steps = 0
+        self.step_failures = 0
+        self.consecutive_failures = 0
+        self.last_error: str | None = None
+        self.fatal: str | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> EngineThread:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping and self.fatal is None
+
+    @property
+    def healthy(self) -> bool:
+        """Alive and not failing step after step."""
+        return self.alive and self.consecutive_failures < 3
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Queue requests but take no step while inside (maintenance; tests use it to fill the waiting queue)."""
+        with self._cv:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._held -= 1
+                self._cv.notify_all()
+
+    # ---------------------------------------------------------------- event-loop side
+    async def submit(self, prompt_ids: list[int], adapter: str | None, sampling: SamplingParams,
+                     request_id: str) -> RequestStream:
+        """Queue a request; returns its output stream once the engine accepted it.
+
+        Raises what ``Engine.add_request`` raises (ValueError, KeyError, QueueFull) or :class:`EngineUnavailable`.
+        """
+        if not self.alive:
+            raise EngineUnavailable(self.fatal or "the engine is not running")
+        loop = asyncio.get_running_loop()
+        sub = _Submission(request_id, list(prompt_ids), adapter, sampling, RequestStream(request_id, loop),
+                          loop.create_future())
+        with self._cv:
+            self._submits.append(sub)
+            self._cv.notify()
+        try:
+            await sub.accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return sub.stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its pages (non-blocking; any thread)."""
+        with self._cv:
+            self._aborts.append(request_id)
+            self._cv.notify()
+
+    async def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run ``fn()`` in the engine thread between steps and return its result (or raise its exception)."""
+        if not self._thread.is_alive() or self._stopping:
+            raise EngineUnavailable("the engine is not running")
+        done = asyncio.get_running_loop().create_future()
+        with self._cv:
+            self._calls.append(_Call(fn, done))
+            self._cv.notify()
+        return await asyncio.wait_for(done, timeout)
+
+    # ---------------------------------------------------------------- engine-thread side
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopping or self._submits or self._aborts or self._calls
+                           or (not self._held and self._has_work())):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                submits, self._submits = self._submits, []
+                aborts, self._aborts = self._aborts, []
+                calls, self._calls = self._calls, []
+                held = self._held > 0
+            for sub in submits:
+                self._add(sub)
+            for rid in aborts:
+                self._abort(rid)
+            for call in calls:
+                self._run_call(call)
+            if not held and self._has_work():
+                self._step()
+            self._release_finished()
+        self._shutdown()
+
+    def _has_work(self) -> bool:
+        try:
+            return self.fatal is None and self.engine.has_unfinished()
+        except Exception:  # never let a bookkeeping bug stop the thread
+            log.exception("engine.has_unfinished failed")
+            return False
+
+    def _add(self, sub: _Submission) -> None:
+        if self.fatal is not None:
+            _resolve(sub.accepted, error=EngineUnavailable(self.fatal))
+            return
+        try:
+            self.engine.add_request(sub.prompt_ids, sub.adapter, sub.sampling, request_id=sub.request_id,
+                                    on_output=self._on_output)
+        except Exception as e:  # ValueError / KeyError / QueueFull go back to the handler as they are
+            _resolve(sub.accepted, error=e)
+            return
+        self._streams[sub.request_id] = sub.stream
+        _resolve(sub.accepted, sub.stream)
+
+    def _abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            log.exception("abort of %s failed", request_id)
+            self._deliver(RequestOutput(request_id, [], True, "abort"))
+
+    def _run_call(self, call: _Call) -> None:
+        try:
+            result = call.fn()
+        except Exception as e:
+            _resolve(call.done, error=e)
+        else:
+            _resolve(call.done, result)
+
+    def _on_output(self, out: RequestOutput) -> None:
+        """The engine's callback (engine thread): forward to the request's stream."""
+        self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+            self._finished.append(out.request_id)
+        stream.put_threadsafe(out)
+
+    def _step(self) -> None:
+        t0 = time.monotonic()
+        try:
+            self.engine.step()
+        except Exception as e:
+            self._step_failed(e)
+            return
+        self.steps += 1
+        self.consecutive_failures = 0
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d took %.1f ms", self.steps, 1e3 * (time.monotonic() - t0))
+
+    def _step_failed(self, e: Exception) -> None:
+        """Fail the requests of the failed step with the reason; keep the others and keep serving."""
+        self.step_failures += 1
+        self.consecutive_failures += 1
+        self.last_error = f"{type(e).__name__}: {e}"
+        log.exception("engine step failed (%d in a row)", self.consecutive_failures)
+        running = [s.request_id for s in list(getattr(self.engine.scheduler, "running", []))]
+        for rid in running:
+            self._deliver(RequestOutput(rid, [], True, "error", error=f"engine step failed: {self.last_error}"))
+            with contextlib.suppress(Exception):
+                self.engine.abort(rid)
+        pool_array = getattr(getattr(self.engine, "pool", None), "array", None)
+        if pool_array is not None and getattr(pool_array, "is_deleted", lambda: False)():
+            # the step had the pool donated and died: the KV cache and resident adapters are gone for good
+            self.fatal = f"the engine lost its pool after a failed step ({self.last_error}); restart the server"
+            log.error(self.fatal)
+            self._fail_all(self.fatal)
+
+    def _fail_all(self, reason: str) -> None:
+        for rid in list(self._streams):
+            self._deliver(RequestOutput(rid, [], True, "error", error=reason))
+            with contextlib.suppress(Exception):
+                self.engine.abort(rid)
+
+    def _release_finished(self) -> None:
+        finished, self._finished = self._finished, []
+        for rid in finished:
+            with contextlib.suppress(Exception):
+                self.engine.release(rid)
+
+    def _shutdown(self) -> None:
+        """Stopping: tell every open request and every waiting call, so no client hangs."""
+        with self._cv:
+            submits, self._submits = self._submits, []
+            calls, self._calls = self._calls, []
+        for sub in submits:
+            _resolve(sub.accepted, error=EngineUnavailable("the server is shutting down"))
+        for call in calls:
+            _resolve(call.done, error=EngineUnavailable("the server is shutting down"))
+        for rid in list(self._streams):
+            self._abort(rid)
+        self._release_finished()

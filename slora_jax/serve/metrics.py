@@ -1,0 +1,97 @@
+"""Prometheus metrics of the server, in a registry of its own (several apps in one process never collide).
+
+Counters and histograms are updated as requests flow; gauges (queue, batch, adapters per tier, pool split, compiles)
+are refreshed from ``engine.stats()`` at scrape time, so they are exact when read and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+# AdapterStore.stats() key names for each tier, first match wins (the store reports counts per tier).
+_TIER_KEYS = {
+    "pool": ("pool", "resident", "num_resident", "in_pool", "device"),
+    "host": ("host", "num_host", "in_host", "cpu"),
+    "disk": ("disk", "registered", "num_registered", "known", "total"),
+}
+
+
+def _number(v) -> float | None:
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, int | float):
+        return float(v)
+    if isinstance(v, list | tuple | set | dict):
+        return float(len(v))
+    return None
+
+
+class ServerMetrics:
+    def __init__(self, prefix: str = "slora"):
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        p = prefix
+        self.requests = Counter(f"{p}_requests", "HTTP requests answered, by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter(f"{p}_request_finish", "Generation requests finished, by finish reason",
+                                ["reason"], registry=r)
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.generated_tokens = Counter(f"{p}_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Time from arrival to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(f"{p}_time_per_output_token_seconds", "Time between consecutive output tokens",
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{p}_request_latency_seconds", "Time from arrival to the last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.waiting = Gauge(f"{p}_requests_waiting", "Requests queued for admission", registry=r)
+        self.running = Gauge(f"{p}_requests_running", "Requests in the running batch", registry=r)
+        self.adapters = Gauge(f"{p}_adapters", "Adapters per tier (pool = resident on device)", ["tier"], registry=r)
+        self.pool_pages = Gauge(f"{p}_pool_pages", "Pages of the unified pool by use", ["kind"], registry=r)
+        self.pool_fraction = Gauge(f"{p}_pool_fraction", "Fraction of pool pages by use (kv, adapter, free)",
+                                   ["kind"], registry=r)
+        self.pool_live_bytes = Gauge(f"{p}_pool_live_bytes", "Bytes of the pool holding live data, by use",
+                                     ["kind"], registry=r)
+        self.pool_utilisation = Gauge(f"{p}_pool_utilisation", "Live bytes / pool bytes", registry=r)
+        self.pool_bytes = Gauge(f"{p}_pool_bytes", "Size of the unified pool in bytes", registry=r)
+        self.compiles = Gauge(f"{p}_compiles", "XLA compilations since start", registry=r)
+        self.compiles_since_warmup = Gauge(f"{p}_compiles_since_warmup", "Compilations after warm-up (want 0)",
+                                           registry=r)
+        self.steps = Gauge(f"{p}_engine_steps", "Engine steps taken", registry=r)
+        self.step_failures = Gauge(f"{p}_engine_step_failures", "Engine steps that raised", registry=r)
+
+    def refresh(self, stats: dict, step_failures: int = 0) -> None:
+        """Set the gauges from ``engine.stats()``; missing keys leave a gauge as it was."""
+        for gauge, key in ((self.waiting, "waiting"), (self.running, "running"), (self.steps, "steps"),
+                           (self.compiles, "compiles"), (self.compiles_since_warmup, "compiles_since_warmup")):
+            v = _number(stats.get(key))
+            if v is not None:
+                gauge.set(v)
+        self.step_failures.set(step_failures)
+        pool = stats.get("pool") or {}
+        for kind, key in (("kv", "pages_kv"), ("adapter", "pages_adapter"), ("free", "pages_free")):
+            if key in pool:
+                self.pool_pages.labels(kind).set(pool[key])
+        n_pages = pool.get("num_pages")
+        if n_pages:
+            for kind, key in (("kv", "pages_kv"), ("adapter", "pages_adapter"), ("free", "pages_free")):
+                if key in pool:
+                    self.pool_fraction.labels(kind).set(pool[key] / n_pages)
+        for kind, key in (("kv", "kv_live_bytes"), ("adapter", "adapter_live_bytes")):
+            if key in pool:
+                self.pool_live_bytes.labels(kind).set(pool[key])
+        if "utilisation" in pool:
+            self.pool_utilisation.set(pool["utilisation"])
+        if "pool_bytes" in pool:
+            self.pool_bytes.set(pool["pool_bytes"])
+        adapters = stats.get("adapters") or {}
+        for tier, keys in _TIER_KEYS.items():
+            for key in keys:
+                v = _number(adapters.get(key))
+                if v is not None:
+                    self.adapters.labels(tier).set(v)
+                    break
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

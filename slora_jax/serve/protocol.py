@@ -1,0 +1,213 @@
+"""Request and response bodies of the OpenAI-compatible API (vLLM's field names and extensions).
+
+Only what we can serve exactly is accepted: a field we do not implement (logprobs, n > 1, echo, penalties) is
+rejected with a 400 that names it rather than silently ignored, so a client never gets a subtly different answer.
+Unknown extra fields are ignored, as OpenAI clients send several optional ones.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine.sampling import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "code"}}`` with HTTP status ``status``."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+             429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": APIError.TYPES.get(status, "server_error"), "param": param,
+                      "code": status}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool = False  # vLLM extension
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    return_token_ids: bool = False  # vLLM extension: token ids of the prompt and the output in the response
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"n={self.n} is not supported (only n=1)", "n")
+        if self.presence_penalty or self.frequency_penalty:
+            raise APIError(400, "presence_penalty and frequency_penalty are not supported", "presence_penalty")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """SamplingParams with OpenAI's defaults (temperature 1, top_p 1); raises ValueError on bad values."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=0 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+        ).validate()
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported (only 1)", "best_of")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request (a batch of prompts is refused: n=1, one choice per response)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            if len(p) != 1:
+                raise APIError(400, "a batch of prompts is not supported; send one prompt per request", "prompt")
+            p = p[0]
+        if isinstance(p, list) and not p or p == "":
+            raise APIError(400, "prompt is empty", "prompt")
+        return p
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message's text; content parts other than text are refused."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"content part of type {part.get('type')!r} is not supported (text only)",
+                               "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True  # vLLM extension
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.tools:
+            raise APIError(400, "tools are not supported", "tools")
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise APIError(400, "max_tokens and max_completion_tokens disagree", "max_completion_tokens")
+            self.max_tokens = self.max_completion_tokens
+
+
+class LoadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
+# ---------------------------------------------------------------- responses (plain dicts: cheap to build per chunk)
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_choice(text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def chat_choice(text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def chat_delta(delta: dict, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def envelope(kind: Literal["completion", "chat"], rid: str, model: str, choices: list[dict], chunk: bool,
+             created: int | None = None, **extra) -> dict:
+    obj = ("text_completion" if kind == "completion" else
+           "chat.completion.chunk" if chunk else "chat.completion")
+    body = {"id": rid, "object": obj, "created": created or int(time.time()), "model": model, "choices": choices}
+    body.update(extra)
+    return body
