@@ -18,6 +18,7 @@ as the model calls them); "all7" sums the four groups, "qkvo" the first two.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -129,10 +130,19 @@ def group_dims(modules):
 def make_pool():
     """One layer of a bf16 pool filled with random values (every adapter's weights are what its pages hold)."""
     page_bytes = PAGE_ROWS * VDIM * 2
-    need = max(DECODE_BATCHES) * pages_per_adapter(max(max(r) for r in RANK_CONFIGS.values()))
+    top_rank = max(16, *(max(r) for r in RANK_CONFIGS.values()))  # the sweep uses rank 16
+    need = max(max(DECODE_BATCHES) * pages_per_adapter(top_rank),
+               max(PREFILL_ADAPTERS) * pages_per_adapter(PREFILL_RANK))
     num_pages = max(int(need * 1.25) + 8, int(ARGS.pool_gib * 2**30 // page_bytes) if not ARGS.tiny else 0)
-    pool = jax.random.normal(jax.random.key(0), (1, num_pages, PAGE_ROWS, VDIM), BF16)
-    return jax.block_until_ready(pool)
+    return jax.block_until_ready(_hash_fill((1, num_pages, PAGE_ROWS, VDIM)))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _hash_fill(shape):
+    """Pseudo-random values in [-1, 1) from a hash of the position: one fused pass, no multi-GiB temporaries."""
+    p, r, v = (lax.broadcasted_iota(jnp.float32, shape, d) for d in (1, 2, 3))
+    h = jnp.sin(p * 12.9898 + r * 78.233 + v * 37.719) * 43758.5453
+    return ((h - jnp.floor(h)) * 2 - 1).astype(BF16)
 
 
 def pages_per_adapter(rank: int) -> int:
@@ -241,13 +251,22 @@ def _loop(fn, n, x, base, *operands):
     return lax.fori_loop(0, n, body, (x, base))
 
 
-def time_fn(fn, x, base, *operands) -> float:
-    """Median seconds per call."""
-    jax.block_until_ready(_loop(fn, 1, x, base, *operands))  # compile + warm up
+def compile_all(jobs: dict) -> dict:
+    """Compile the timing loops of ``jobs`` ({key: (fn, args)}) in parallel threads (XLA and Triton compiles are
+    the bulk of this script's wall time)."""
+    lowered = {key: _loop.lower(fn, 1, *args) for key, (fn, args) in jobs.items()}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        futures = {key: pool.submit(lo.compile) for key, lo in lowered.items()}
+        return {key: f.result() for key, f in futures.items()}
+
+
+def time_compiled(compiled, args) -> float:
+    """Median seconds per call of a compiled timing loop (``compiled(n, *args)`` runs n calls)."""
+    jax.block_until_ready(compiled(1, *args))  # warm up
     n = 3
     while True:
         t0 = time.perf_counter()
-        jax.block_until_ready(_loop(fn, n, x, base, *operands))
+        jax.block_until_ready(compiled(n, *args))
         dt = time.perf_counter() - t0
         if dt >= MIN_LOOP_S or n >= 4096:
             break
@@ -255,9 +274,13 @@ def time_fn(fn, x, base, *operands) -> float:
     times = []
     for _ in range(REPEATS):
         t0 = time.perf_counter()
-        jax.block_until_ready(_loop(fn, n, x, base, *operands))
+        jax.block_until_ready(compiled(n, *args))
         times.append((time.perf_counter() - t0) / n)
     return float(np.median(times))
+
+
+def time_fn(fn, *args) -> float:
+    return time_compiled(compile_all({0: (fn, args)})[0], args)
 
 
 def rel_err(got, want) -> float:
@@ -270,31 +293,42 @@ def rel_err(got, want) -> float:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def run_group(kind, modules, n_rows, ranks, max_rank, pool, table, row_slot, tiles, rng):
-    """Correctness, then kernel / reference / padded times for one module group."""
-    d_in, d_outs = group_dims(modules)
-    x = jnp.asarray(rng.normal(size=(n_rows, d_in)), BF16)
-    zeros = jnp.zeros((n_rows, sum(d_outs)), BF16)
-    base = jnp.asarray(rng.normal(size=(n_rows, sum(d_outs))), BF16)
-    kw = {"modules": modules, "max_rank": max_rank}
-    if kind == "decode":
-        kfn, rfn, sel = functools.partial(kernel_decode, **kw), functools.partial(reference_decode, **kw), row_slot
-    else:
-        kfn, rfn, sel = functools.partial(kernel_prefill, **kw), functools.partial(reference_prefill, **kw), tiles
-    # One loop step on base = 0 gives the delta; reuses the executables that are timed below. The reference
-    # accumulates exact bf16 products in fp32 (HIGHEST) and rounds once to bf16.
-    err = rel_err(_loop(kfn, 1, x, zeros, pool, sel, table)[1], _loop(rfn, 1, x, zeros, pool, sel, table)[1])
-    t_kernel = time_fn(kfn, x, base, pool, sel, table)
-    t_ref = time_fn(rfn, x, base, pool, sel, table)
-    a_st, b_st, sc = padded_stacks(pool, table, modules, max_rank)
-    t_pad = time_fn(functools.partial(padded_lora, modules=modules), x, base, a_st, b_st, sc, row_slot)
-    del a_st, b_st
-    res = {"kernel_s": t_kernel, "reference_s": t_ref, "padded_s": t_pad, "rel_err": err,
-           "adapter_bytes": adapter_bytes(ranks, modules), "io_bytes": io_bytes(n_rows, modules, max_rank)}
-    if kind == "prefill":
-        w = jnp.asarray(rng.normal(size=(d_in, sum(d_outs))) / np.sqrt(d_in), BF16)
-        res["base_s"] = time_fn(base_matmul, x, base, w)
-    return res
+def run_combo(kind, n_rows, ranks, max_rank, pool, table, row_slot, tiles, rng) -> dict:
+    """Correctness, then kernel / reference / padded (/ base matmul) times for every module group."""
+    jobs, inputs = {}, {}
+    for g, modules in GROUPS.items():
+        d_in, d_outs = group_dims(modules)
+        x = jnp.asarray(rng.normal(size=(n_rows, d_in)), BF16)
+        base = jnp.asarray(rng.normal(size=(n_rows, sum(d_outs))), BF16)
+        inputs[g] = (x, base)
+        kw = {"modules": modules, "max_rank": max_rank}
+        if kind == "decode":
+            kfn, rfn, sel = functools.partial(kernel_decode, **kw), functools.partial(reference_decode, **kw), row_slot
+        else:
+            kfn, rfn, sel = functools.partial(kernel_prefill, **kw), functools.partial(reference_prefill, **kw), tiles
+        jobs[g, "kernel"] = (kfn, (x, base, pool, sel, table))
+        jobs[g, "reference"] = (rfn, (x, base, pool, sel, table))
+        jobs[g, "padded"] = (functools.partial(padded_lora, modules=modules),
+                             (x, base, *padded_stacks(pool, table, modules, max_rank), row_slot))
+        if kind == "prefill":
+            w = jnp.asarray(rng.normal(size=(d_in, sum(d_outs))) / np.sqrt(d_in), BF16)
+            jobs[g, "base"] = (base_matmul, (x, base, w))
+    compiled = compile_all(jobs)
+    groups = {}
+    for g, modules in GROUPS.items():
+        x, base = inputs[g]
+        # One loop step on base = 0 gives the delta. The reference accumulates exact bf16 products in fp32
+        # (HIGHEST) and rounds once to bf16.
+        zeros = jnp.zeros_like(base)
+        got = compiled[g, "kernel"](1, x, zeros, *jobs[g, "kernel"][1][2:])[1]
+        want = compiled[g, "reference"](1, x, zeros, *jobs[g, "reference"][1][2:])[1]
+        res = {"rel_err": rel_err(got, want), "adapter_bytes": adapter_bytes(ranks, modules),
+               "io_bytes": io_bytes(n_rows, modules, max_rank)}
+        for impl in ("kernel", "reference", "padded", "base"):
+            if (g, impl) in compiled:
+                res[f"{impl}_s"] = time_compiled(compiled[g, impl], jobs[g, impl][1])
+        groups[g] = res
+    return groups
 
 
 def summarize(kind, set_name, groups: dict, n_rows, n_adapters, rank_name, copy_gbps):
@@ -320,30 +354,35 @@ def summarize(kind, set_name, groups: dict, n_rows, n_adapters, rank_name, copy_
     return row
 
 
+SWEEP = (Tuning(), Tuning(tile_elems=4096), Tuning(tile_elems=16384, num_warps=8), Tuning(num_warps=4),
+         Tuning(pipeline=False), Tuning(pipeline=False, tile_elems=16384, num_warps=8))
+
+
 def tuning_sweep(pool, rng, copy_gbps):
-    """Headline decode case (batch 256, 256 rank-16 adapters) under a few launch configs, per group."""
+    """Headline decode case (batch 256, 256 rank-16 adapters, all 7 modules) under a few launch configs."""
     n = max(DECODE_BATCHES)
     ranks = [16] * n
     table = make_table(rng, ranks, pool.shape[1])
     row_slot = jnp.asarray(rng.permutation(n).astype(np.int32))
+    jobs = {}
+    for c, tuning in enumerate(SWEEP):
+        for g, modules in GROUPS.items():
+            d_in, d_outs = group_dims(modules)
+            x = jnp.asarray(rng.normal(size=(n, d_in)), BF16)
+            base = jnp.asarray(rng.normal(size=(n, sum(d_outs))), BF16)
+            fn = functools.partial(kernel_decode, modules=modules, max_rank=16, tuning=tuning)
+            jobs[c, g] = (fn, (x, base, pool, row_slot, table))
+    compiled = compile_all(jobs)
     out = []
-    for tile_elems in (4096, 8192, 16384):
-        for num_warps in (4, 8):
-            tuning = Tuning(tile_elems=tile_elems, num_warps=num_warps)
-            total, per = 0.0, {}
-            for g, modules in GROUPS.items():
-                d_in, d_outs = group_dims(modules)
-                x = jnp.asarray(rng.normal(size=(n, d_in)), BF16)
-                base = jnp.asarray(rng.normal(size=(n, sum(d_outs))), BF16)
-                fn = functools.partial(kernel_decode, modules=modules, max_rank=16, tuning=tuning)
-                per[g] = time_fn(fn, x, base, pool, row_slot, table)
-                total += per[g]
-            gbps = adapter_bytes(ranks, range(7)) / total / 1e9
-            out.append({"tile_elems": tile_elems, "num_warps": num_warps, "time_us": total * 1e6,
-                        "groups_us": {g: t * 1e6 for g, t in per.items()}, "adapter_gbps": gbps,
-                        "pct_copy_adapter": 100 * gbps / copy_gbps})
-            print(f"  sweep tile_elems={tile_elems:5d} warps={num_warps}: {total * 1e6:8.1f} us "
-                  f"{gbps:7.1f} GB/s ({100 * gbps / copy_gbps:.0f}% copy)", flush=True)
+    for c, tuning in enumerate(SWEEP):
+        per = {g: time_compiled(compiled[c, g], jobs[c, g][1]) for g in GROUPS}
+        total = sum(per.values())
+        gbps = adapter_bytes(ranks, range(7)) / total / 1e9
+        out.append({"tuning": tuning._asdict(), "time_us": total * 1e6, "adapter_gbps": gbps,
+                    "pct_copy_adapter": 100 * gbps / copy_gbps, "groups_us": {g: t * 1e6 for g, t in per.items()}})
+        name = ", ".join(f"{k}={v}" for k, v in tuning._asdict().items() if v is not None) or "defaults"
+        print(f"  sweep {name:40s}: {total * 1e6:8.1f} us {gbps:7.1f} GB/s ({100 * gbps / copy_gbps:.0f}% copy)  "
+              + " ".join(f"{g}={t * 1e6:.1f}" for g, t in per.items()), flush=True)
     return out
 
 
@@ -386,8 +425,8 @@ def main():
         copy = {"ok": True, "gbps": jax_copy_bandwidth(), "method": f"jax negate (torch: {COPY.get('why')})"}
     copy_gbps = copy["gbps"]
     device = jax.devices()[0]
-    print(f"device: {device.device_kind}  jax {jax.__version__}  copy bandwidth {copy_gbps:.0f} GB/s ({copy['method']})",
-          flush=True)
+    print(f"device: {device.device_kind}  jax {jax.__version__}  "
+          f"copy bandwidth {copy_gbps:.0f} GB/s ({copy['method']})", flush=True)
     pool = make_pool()
     print(f"pool: {pool.shape} {pool.dtype} ({pool.nbytes / 2**30:.1f} GiB)", flush=True)
     rng = np.random.default_rng(0)
@@ -399,15 +438,14 @@ def main():
             max_rank = max(ranks)
             table = make_table(rng, ranks, pool.shape[1])
             row_slot = jnp.asarray(rng.permutation(n).astype(np.int32))  # n distinct adapters, shuffled
-            groups = {g: run_group("decode", mods, n, ranks, max_rank, pool, table, row_slot, None, rng)
-                      for g, mods in GROUPS.items()}
+            groups = run_combo("decode", n, ranks, max_rank, pool, table, row_slot, None, rng)
             for set_name in MODULE_SETS:
                 rows.append(summarize("decode", set_name, groups, n, n, rank_name, copy_gbps))
             r = rows[-2]
             print(f"decode T={n:4d} {rank_name:4s}: {r['time_us']:8.1f} us  {r['adapter_gbps']:7.1f} GB/s "
                   f"({r['pct_copy_adapter']:.0f}% copy)  x{r['speedup_vs_reference']:.2f} ref  "
-                  f"x{r['speedup_vs_padded']:.2f} padded  err {r['rel_err']:.1e}  [{time.perf_counter() - t_start:.0f} s]",
-                  flush=True)
+                  f"x{r['speedup_vs_padded']:.2f} padded  err {r['rel_err']:.1e}  "
+                  f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
 
     for n_ad in PREFILL_ADAPTERS:
         ranks = [PREFILL_RANK] * n_ad
@@ -416,8 +454,8 @@ def main():
         row_slot_np = np.repeat(rng.permutation(n_ad).astype(np.int32), seg)
         bucket = max_tiles(PREFILL_TOKENS, n_ad, BLOCK_T)
         tiles = SegmentTiles(*(jnp.asarray(a) for a in make_tiles(row_slot_np, BLOCK_T, bucket)))
-        groups = {g: run_group("prefill", mods, PREFILL_TOKENS, ranks, PREFILL_RANK, pool, table,
-                               jnp.asarray(row_slot_np), tiles, rng) for g, mods in GROUPS.items()}
+        groups = run_combo("prefill", PREFILL_TOKENS, ranks, PREFILL_RANK, pool, table, jnp.asarray(row_slot_np), tiles,
+                           rng)
         for set_name in MODULE_SETS:
             rows.append(summarize("prefill", set_name, groups, PREFILL_TOKENS, n_ad, f"r{PREFILL_RANK}", copy_gbps))
         r = rows[-2]
@@ -427,7 +465,7 @@ def main():
               flush=True)
 
     sweep = []
-    if not (ARGS.no_sweep or ARGS.tiny):
+    if not ARGS.no_sweep:
         if time.perf_counter() - t_start < SWEEP_DEADLINE_S:
             sweep = tuning_sweep(pool, rng, copy_gbps)
         else:
@@ -443,7 +481,7 @@ def main():
     worst = max(r["rel_err"] for r in rows)
     print(f"worst relative error vs fp32 reference: {worst:.2e}")
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "device": device.device_kind, "platform": device.platform, "jax_version": jax.__version__,
         "git_commit": git_commit(), "tiny": ARGS.tiny, "copy_bandwidth": copy,
         "shapes": {"hidden": HIDDEN, "intermediate": INTER, "head_dim": VDIM, "kv_width": KV_WIDTH,

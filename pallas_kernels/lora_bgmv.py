@@ -5,9 +5,9 @@ FLOPs per byte. So the kernels are gathers + fp32 multiply-accumulate (no tensor
 streams a few KiB per loop step and enough programs exist to fill the GPU even at batch 1:
 
 * shrink: grid (row, module, rank block x d_in split). Each program streams ``[r_blk, c_blk, V]`` tiles of A^T
-  (``c_blk`` vectors of ``r_blk`` rows) against the matching chunk of x, accumulating elementwise in fp32 and
-  reducing once at the end. With few rows the d_in loop is split across programs; the partial sums are added
-  outside (a [splits, T, M, R] fp32 array: tiny).
+  (``c_blk`` vectors of ``r_blk`` rows) against the matching chunk of x into an fp32 ``[r_blk]`` accumulator,
+  double-buffering tiles in registers so two are in flight. With few rows the d_in loop is split across programs;
+  the partial sums are added outside (a [splits, T, M, R] fp32 array: tiny).
 * expand: grid (row, column block over all modules' outputs). Each program loops over the row's rank in blocks and
   adds ``scale * y @ B`` into its ``[n_blk, V]`` slice of ``base``, which is aliased to the output.
 
@@ -38,6 +38,8 @@ from pallas_kernels.lowering import any_spec, load, pallas_call, resolve_interpr
 
 GPU_TILE_ELEMS = 8192  # elements of adapter weights one program loads per loop step
 GPU_TARGET_PROGRAMS = 1024  # ~8 programs per SM on an H100/H200 (132 SMs): enough to hide gather latency
+GPU_PIPELINE = True  # shrink: double-buffer tiles in registers (72 registers at 8192 elements, 8 warps)
+GPU_SHRINK_WARPS = 8
 MAX_R_BLK = 16  # rank rows per shrink/expand step; larger ranks loop (expand) or use more programs (shrink)
 
 _F32 = jnp.float32
@@ -52,19 +54,30 @@ def _pick(i, values):
     return out
 
 
-def _page_gather(pool_ref, pages_ref, lbase, s, v, mask, page_rows: int, vdim: int):
-    """Pool vectors of virtual vectors ``v`` [R, C] of slot ``s``: [R, C, V]; masked lanes read nothing (zeros).
+def _pages(pages_ref, s, v, mask, page_rows: int):
+    """Physical page of each virtual vector ``v`` of slot ``s`` (0 where masked)."""
+    return load(pages_ref.at[s, lax.div(v, page_rows)], mask=mask, other=0)
+
+
+def _vectors(pool_ref, lbase, page, v, mask, page_rows: int, vdim: int):
+    """Pool vectors ``[*v.shape, V]`` of virtual vectors ``v`` on ``page``; masked entries read nothing (zeros).
 
     pool_ref is the [L * NP * PR, V] view; ``lbase`` = first vector of the layer.
     """
-    page = load(pages_ref.at[s, lax.div(v, page_rows)], mask=mask, other=0)
     vec = lbase + page * page_rows + lax.rem(v, page_rows)
     lane = jnp.arange(vdim, dtype=jnp.int32)
-    return load(pool_ref.at[vec[:, :, None], lane[None, None, :]], mask=mask[:, :, None], other=0)
+    return load(pool_ref.at[vec[..., None], lane[(None,) * vec.ndim + (slice(None),)]], mask=mask[..., None], other=0)
+
+
+def _page_gather(pool_ref, pages_ref, lbase, s, v, mask, page_rows: int, vdim: int):
+    """Pool vectors of virtual vectors ``v`` of slot ``s``: ``[*v.shape, V]``; masked entries read zeros."""
+    return _vectors(pool_ref, lbase, _pages(pages_ref, s, v, mask, page_rows), v, mask, page_rows, vdim)
 
 
 def _shrink_kernel(layer_ref, lbase_ref, slot_ref, rank_ref, aoff_ref, pages_ref, x_ref, pool_ref, y_ref, *,
-                   modules, r_blk, c_blk, splits, iters, n_chunks, page_rows, vdim):
+                   modules, r_blk, c_blk, splits, iters, n_chunks, page_rows, vdim, pipeline):
+    """With ``pipeline``, software-pipelined in registers: step j reduces tile j while tile j+1 and the page ids
+    of tile j+2 load, so a program keeps two tiles in flight and never waits on a page-table lookup."""
     t, i, q = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rb, sp = lax.div(q, splits), lax.rem(q, splits)
     slot = slot_ref[t]
@@ -78,16 +91,36 @@ def _shrink_kernel(layer_ref, lbase_ref, slot_ref, rank_ref, aoff_ref, pages_ref
     lane = jnp.arange(vdim, dtype=jnp.int32)
     trip = jnp.where(rb * r_blk < rank, jnp.int32(iters), _I0)
 
-    def step(j, acc):
+    def at_step(j):
+        """Chunks, virtual vectors and mask of step j (all masked once j >= trip)."""
         c = (sp * iters + j) * c_blk + jnp.arange(c_blk, dtype=jnp.int32)
-        cmask = c < n_chunks
-        mask = kmask[:, None] & cmask[None, :]
-        a = _page_gather(pool_ref, pages_ref, lbase, s, row_start[:, None] + c[None, :], mask, page_rows, vdim)
-        xc = load(x_ref.at[t, c[:, None], lane[None, :]], mask=cmask[:, None], other=0)
-        return acc + a.astype(_F32) * xc.astype(_F32)[None, :, :]
+        cmask = (c < n_chunks) & (j < trip)
+        return c, cmask, row_start[:, None] + c[None, :], kmask[:, None] & cmask[None, :]
 
-    acc = lax.fori_loop(0, trip, step, jnp.zeros((r_blk, c_blk, vdim), _F32))
-    y = jnp.sum(jnp.sum(acc, axis=2), axis=1)
+    def pages(j):
+        _, _, v, mask = at_step(j)
+        return _pages(pages_ref, s, v, mask, page_rows)
+
+    def tile(j, page):
+        c, cmask, v, mask = at_step(j)
+        a = _vectors(pool_ref, lbase, page, v, mask, page_rows, vdim)
+        xc = load(x_ref.at[t, c[:, None], lane[None, :]], mask=cmask[:, None], other=0)
+        return a, xc
+
+    def dot(a, xc):
+        return jnp.sum(jnp.sum(a.astype(_F32) * xc.astype(_F32)[None, :, :], axis=2), axis=1)
+
+    if pipeline:
+        def step(j, carry):
+            acc, a, xc, page_next = carry
+            page_after = pages(j + 2)
+            a_next, x_next = tile(j + 1, page_next)
+            return acc + dot(a, xc), a_next, x_next, page_after
+
+        a0, x0 = tile(0, pages(0))
+        y = lax.fori_loop(0, trip, step, (jnp.zeros((r_blk,), _F32), a0, x0, pages(1)))[0]
+    else:
+        y = lax.fori_loop(0, trip, lambda j, acc: acc + dot(*tile(j, pages(j))), jnp.zeros((r_blk,), _F32))
     store(y_ref.at[sp, t, i, k], y)
 
 
@@ -129,7 +162,8 @@ def bgmv_shrink(x: jax.Array, pool: jax.Array, layer, row_slot: jax.Array, table
     n_mod = len(modules)
     r_blk, n_rblk, c_blk, splits, iters = _shrink_plan(n_rows, n_mod, max_rank, n_chunks, vdim, interpret, tuning)
     kernel = functools.partial(_shrink_kernel, modules=tuple(modules), r_blk=r_blk, c_blk=c_blk, splits=splits,
-                               iters=iters, n_chunks=n_chunks, page_rows=page_rows, vdim=vdim)
+                               iters=iters, n_chunks=n_chunks, page_rows=page_rows, vdim=vdim,
+                               pipeline=GPU_PIPELINE if tuning.pipeline is None else tuning.pipeline)
     y = pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((splits, n_rows, n_mod, n_rblk * r_blk), _F32),
@@ -137,7 +171,7 @@ def bgmv_shrink(x: jax.Array, pool: jax.Array, layer, row_slot: jax.Array, table
         in_specs=[any_spec()] * 8,
         out_specs=any_spec(),
         interpret=interpret,
-        num_warps=tuning.num_warps or 4,
+        num_warps=tuning.num_warps or GPU_SHRINK_WARPS,
         name="lora_bgmv_shrink",
     )(*layer_args(layer, pool.shape), row_slot.astype(jnp.int32), table.rank,
       table.a_off, table.pages, x.reshape(n_rows, n_chunks, vdim), pool.reshape(-1, vdim))

@@ -40,13 +40,15 @@ class Tuning(NamedTuple):
     """Static launch knobs of the LoRA kernels; ``None`` = the kernel's heuristic (hashable: pass as a static arg).
 
     tile_elems: adapter elements one program loads per loop step (BGMV); num_warps: Triton warps per program;
-    splits: programs sharing one d_in reduction (shrink); vecs: output vectors of V columns per program (SGMV expand).
+    splits: programs sharing one d_in reduction (shrink); vecs: output vectors of V columns per program (SGMV expand);
+    pipeline: double-buffer tiles in registers (BGMV shrink).
     """
 
     tile_elems: int | None = None
     num_warps: int | None = None
     splits: int | None = None
     vecs: int | None = None
+    pipeline: bool | None = None
 
 
 def next_pow2(n: int) -> int:

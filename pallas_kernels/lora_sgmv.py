@@ -29,6 +29,7 @@ from pallas_kernels.lora_common import AdapterTable, Tuning, layer_args, next_po
 from pallas_kernels.lowering import any_spec, load, pallas_call, resolve_interpret, store
 
 GPU_TARGET_PROGRAMS = 264  # 2 per SM: prefill programs are long (they stream block_t rows of x)
+GPU_WARPS = 8  # fewer registers per thread than 4 warps for these tile shapes (no spills at rank 64)
 GPU_EXPAND_VECS = 4  # output vectors (of V columns) per expand program
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 MAX_R_BLK = 64
@@ -189,7 +190,7 @@ def sgmv_shrink(x: jax.Array, pool: jax.Array, layer, tiles: SegmentTiles, table
         out_specs=any_spec(),
         input_output_aliases={10: 0},  # zeros for rows no tile covers
         interpret=interpret,
-        num_warps=tuning.num_warps or 4,
+        num_warps=tuning.num_warps or GPU_WARPS,
         num_stages=3,
         name="lora_sgmv_shrink",
     )(*layer_args(layer, pool.shape), *(jnp.asarray(a, jnp.int32) for a in tiles), table.rank, table.a_off,
@@ -276,7 +277,7 @@ def sgmv_expand(y: jax.Array, base: jax.Array, pool: jax.Array, layer, tiles: Se
         out_specs=any_spec(),
         input_output_aliases={11: 0},
         interpret=interpret,
-        num_warps=tuning.num_warps or 4,
+        num_warps=tuning.num_warps or GPU_WARPS,
         num_stages=3,
         name="lora_sgmv_expand",
     )(*layer_args(layer, pool.shape), *(jnp.asarray(a, jnp.int32) for a in tiles), table.rank, table.b_off,

@@ -184,7 +184,7 @@ def paged_prefill_attention(q: jax.Array, pool: jax.Array, layer: jax.Array, pag
 
     q: [T, n_heads, hd] (sequence b's rows are ``q_starts[b]:q_starts[b+1]``); pool: [L, NP, 2*n_kv*P, hd];
     layer: int32 scalar; page_table: int32[B, max_pages]; q_starts: int32[B+1] (q_starts[0] = 0); context_lens:
-    int32[B] (total tokens incl. the new ones) -> [T, n_heads, hd] in q.dtype, zeros for rows at or past ``q_starts[-1]``.
+    int32[B] (total tokens incl. the new ones) -> [T, n_heads, hd] in q.dtype, zeros for rows past ``q_starts[-1]``.
     tile_map: optional int32[num_tiles, 4] from :func:`prefill_tile_map` (host); computed on device when omitted.
     """
     num_rows, num_heads, head_dim = q.shape

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -127,9 +128,10 @@ def test_every_source_kind_lands_exactly_in_the_pool(make_store, tiny_cfg, tmp_p
     store.register("a", a_dir)
     store.register("b", str(b_dir))
     store.register("mem", mem)
-    store.register("syn", SyntheticAdapterSource(tiny_cfg, 4, ("q_proj", "v_proj", "gate_proj"), seed=seed_of(rng)))
+    syn = SyntheticAdapterSource(tiny_cfg, 4, ("q_proj", "v_proj", "gate_proj"), seed=seed_of(rng))
+    store.register("syn", syn)
     want = {"a": load_peft_adapter(a_dir, tiny_cfg), "b": load_peft_adapter(b_dir, tiny_cfg), "mem": mem,
-            "syn": store._entries["syn"].source.adapter("syn")}
+            "syn": syn.adapter("syn")}
     assert sorted(store.names()) == sorted(want) and "a" in store and "zzz" not in store
 
     slots = {name: store.acquire(name) for name in want}
@@ -138,13 +140,17 @@ def test_every_source_kind_lands_exactly_in_the_pool(make_store, tiny_cfg, tmp_p
         assert_holds(store, name, adapter)
 
     # The kernels' own gathers read the same weights for all four slots at once.
-    slot_ids = jnp.asarray([slots[n] for n in want], jnp.int32)
+    @jax.jit
+    def gather_all(array, table, slot_ids):
+        return {(layer, m): (gather_lora_a(array, table, layer, slot_ids, m, tiny_cfg.module_dims(mod)[0], MAX_RANK),
+                             gather_lora_b(array, table, layer, slot_ids, m, tiny_cfg.module_dims(mod)[1], MAX_RANK),
+                             lora_scale(table, layer, slot_ids, m))
+                for layer in range(tiny_cfg.num_hidden_layers) for m, mod in enumerate(MODULES)}
+
+    gathered = gather_all(store.pool.array, store.pool.table, jnp.asarray([slots[n] for n in want], jnp.int32))
     for layer in range(tiny_cfg.num_hidden_layers):
         for m, mod in enumerate(MODULES):
-            d_in, d_out = tiny_cfg.module_dims(mod)
-            got_a = np.asarray(gather_lora_a(store.pool.array, store.pool.table, layer, slot_ids, m, d_in, MAX_RANK))
-            got_b = np.asarray(gather_lora_b(store.pool.array, store.pool.table, layer, slot_ids, m, d_out, MAX_RANK))
-            got_s = np.asarray(lora_scale(store.pool.table, layer, slot_ids, m))
+            got_a, got_b, got_s = (np.asarray(x) for x in gathered[(layer, m)])
             for t, adapter in enumerate(want.values()):
                 lm = adapter.modules.get((layer, mod))
                 r = lm.rank if lm else 0
@@ -512,13 +518,15 @@ def test_prefetch_reads_then_loads_without_pinning(make_store, tiny_cfg, rng):
 
 def test_warmup_compiles_every_load_bucket_once(make_store, tiny_cfg, rng):
     compile_counter.install()
-    store = make_store(num_pages=64, max_slots=2)
+    store = make_store(num_pages=72, max_slots=2)  # a pool shape no other test uses: nothing compiled yet
     for name, rank, targets in (("p1", 1, ("q_proj",)), ("p7", 4, QKVO), ("p14", 8, QKVO), ("p32", 8, MODULES),
                                 ("p64", 16, MODULES)):
         store.register(name, random_adapter(tiny_cfg, rng, name, ranks=(rank,), targets=targets))
         wait_host(store, name)
+    start = compile_counter.compile_count()
     store.warmup()
-    assert store.pool.num_free_pages == 64 and store.pool.num_free_slots == 2 and store.resident() == []
+    assert compile_counter.compile_count() > start
+    assert store.pool.num_free_pages == 72 and store.pool.num_free_slots == 2 and store.resident() == []
     before = compile_counter.compile_count()
     for name in ("p1", "p7", "p14", "p32", "p64"):
         store.acquire(name)

@@ -150,16 +150,17 @@ def layer_max_rank(world: World, layer: int, modules) -> int:
 # ----------------------------------------------------------------------------------------------------------------------
 
 BGMV_CASES = [
-    # (seed, modules, layer, n_rows, splits, tile_elems)
-    (1, QKV, 1, 9, None, None),
-    (2, GATE_UP, 0, 6, 2, 256),  # d_in split across programs, several chunk steps
-    (3, DOWN, 1, 5, 3, 256),  # d_in = 6 vectors: masked last chunk, uneven split
-    (4, O_PROJ, 0, 4, None, 64),
+    # (seed, modules, layer, n_rows, tuning)
+    (1, QKV, 1, 9, Tuning()),
+    (2, GATE_UP, 0, 6, Tuning(tile_elems=256, splits=2)),  # d_in split across programs, several chunk steps
+    (3, DOWN, 1, 5, Tuning(tile_elems=256, splits=3)),  # d_in = 6 vectors: masked last chunk, uneven split
+    (4, O_PROJ, 0, 4, Tuning(tile_elems=64, pipeline=False)),  # the unpipelined shrink loop
+    (5, DOWN, 0, 3, Tuning(tile_elems=512, pipeline=False)),
 ]
 
 
-@pytest.mark.parametrize("seed,modules,layer,n_rows,splits,tile_elems", BGMV_CASES)
-def test_bgmv(seed, modules, layer, n_rows, splits, tile_elems):
+@pytest.mark.parametrize("seed,modules,layer,n_rows,tuning", BGMV_CASES)
+def test_bgmv(seed, modules, layer, n_rows, tuning):
     world = make_world(seed)
     rng = np.random.default_rng(seed + 100)
     mdims = world.dims.module_dims()
@@ -172,7 +173,6 @@ def test_bgmv(seed, modules, layer, n_rows, splits, tile_elems):
     pool, table = world.device()
     args = (jnp.asarray(layer, jnp.int32), jnp.asarray(row_slot), table)
 
-    tuning = Tuning(tile_elems=tile_elems, splits=splits)
     y = bgmv_shrink(jnp.asarray(x), pool, *args, modules, max_rank, tuning=tuning)
     y_ref = bgmv_shrink_reference(jnp.asarray(x), pool, *args, modules, max_rank)
     close(y, y_ref, 1e-5)

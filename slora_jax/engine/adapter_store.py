@@ -198,7 +198,8 @@ class SyntheticAdapterSource(AdapterSource):
     adapters that would not fit on disk). Same (model shape, rank, targets, seed, dtype) -> same weights.
 
     A and B are unit normal; ``scale = strength / sqrt(rank * d_in)`` so the delta is about ``strength`` times the
-    input's RMS, whatever the shapes.
+    input's RMS, whatever the shapes. The rows are a view of a shared bank (no memory of their own) unless
+    ``materialize``; the host budget counts their full size either way, so host-tier behaviour is as with real ones.
     """
 
     model_cfg: ModelConfig

@@ -90,7 +90,7 @@ class Scheduler:
                     continue
                 break
             need = pages_for(n, page)
-            if worst > self.pool.num_free_pages:
+            if worst > self.pool.num_free_pages and not self.store.reclaim_pages(worst):
                 self._release(seq)
                 break
             seq.kv_pages = self.pool.alloc_kv_pages(need, owner=seq.request_id)
@@ -132,7 +132,7 @@ class Scheduler:
             if position // page < len(seq.kv_pages):
                 i += 1
                 continue
-            if self.pool.num_free_pages >= 1:
+            if self.pool.num_free_pages >= 1 or self.store.reclaim_pages(1):
                 seq.kv_pages += self.pool.alloc_kv_pages(1, owner=seq.request_id)
                 i += 1
                 continue
