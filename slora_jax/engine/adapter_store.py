@@ -611,6 +611,11 @@ class AdapterStore:
         entry = self._entries.get(name)
         return 0 if entry is None or name in self._errors else entry.pages
 
+    def adapter_pages(self, name: str) -> int:
+        """Pool pages the adapter takes when resident (0 for unknown adapters)."""
+        entry = self._entries.get(name)
+        return 0 if entry is None else entry.pages
+
     def evictable_pages(self) -> int:
         """Pages held by unpinned resident adapters: what eviction could hand back."""
         return self._evictable_pages

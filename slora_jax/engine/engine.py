@@ -26,7 +26,7 @@ from .adapter_store import AdapterStore
 from .config import EngineConfig
 from .pool import PagedPool
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, pages_for
 from .sequence import RequestOutput, Sequence, Status
 from .step_runner import StepItem, StepRunner
 
@@ -81,6 +81,11 @@ class Engine:
                              f"context of {self.ecfg.max_model_len} tokens")
         if adapter is not None and adapter not in self.store:
             raise KeyError(f"unknown adapter {adapter!r}")
+        need = pages_for(len(prompt_ids) + sampling.max_tokens, self.ecfg.page_size)
+        need += self.store.adapter_pages(adapter) if adapter is not None else 0
+        if need > self.pool.allocator.num_pages:
+            raise ValueError(f"the request needs {need} pool pages (KV for prompt + max_tokens, plus its adapter); "
+                             f"the pool has {self.pool.allocator.num_pages}")
         if len(self.scheduler.waiting) >= self.ecfg.max_waiting:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting; try again later")
         seq = Sequence(prompt_ids=[int(t) for t in prompt_ids], adapter=adapter, sampling=sampling,

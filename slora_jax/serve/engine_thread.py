@@ -281,6 +281,11 @@ class EngineThread:
             self.fatal = f"the engine lost its pool after a failed step ({self.last_error}); restart the server"
             log.error(self.fatal)
             self._fail_all(self.fatal)
+        elif self.consecutive_failures >= 3:
+            # failing before anything runs (e.g. while admitting a waiting request): end every open request so none
+            # waits forever; new requests still get their chance
+            self._fail_all(f"engine steps keep failing: {self.last_error}")
+        time.sleep(min(0.01 * 2 ** self.consecutive_failures, 1.0))  # no hot loop of failing steps
 
     def _fail_all(self, reason: str) -> None:
         for rid in list(self._streams):

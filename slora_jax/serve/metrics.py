@@ -13,10 +13,13 @@ _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15
 
 # AdapterStore.stats() key names for each tier, first match wins (the store reports counts per tier).
 _TIER_KEYS = {
-    "pool": ("pool", "resident", "num_resident", "in_pool", "device"),
-    "host": ("host", "num_host", "in_host", "cpu"),
-    "disk": ("disk", "registered", "num_registered", "known", "total"),
+    "pool": ("resident", "pool"),
+    "host": ("in_host", "host"),
+    "disk": ("registered", "disk"),  # every registered adapter has its source (disk) copy
 }
+# AdapterStore.stats() counters worth exporting as they are.
+_STORE_STATS = ("pinned", "loading", "failed", "hits", "misses", "evictions", "loads", "prefetch_loads", "host_loads",
+                "host_evictions", "load_errors", "host_bytes", "resident_pages")
 
 
 def _number(v) -> float | None:
@@ -58,6 +61,8 @@ class ServerMetrics:
         self.compiles = Gauge(f"{p}_compiles", "XLA compilations since start", registry=r)
         self.compiles_since_warmup = Gauge(f"{p}_compiles_since_warmup", "Compilations after warm-up (want 0)",
                                            registry=r)
+        self.adapter_store = Gauge(f"{p}_adapter_store", "Adapter store counters (hits, misses, evictions, loads, "
+                                   "pinned, host_bytes, ...)", ["stat"], registry=r)
         self.steps = Gauge(f"{p}_engine_steps", "Engine steps taken", registry=r)
         self.step_failures = Gauge(f"{p}_engine_step_failures", "Engine steps that raised", registry=r)
 
@@ -92,6 +97,10 @@ class ServerMetrics:
                 if v is not None:
                     self.adapters.labels(tier).set(v)
                     break
+        for key in _STORE_STATS:
+            v = _number(adapters.get(key))
+            if v is not None:
+                self.adapter_store.labels(key).set(v)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

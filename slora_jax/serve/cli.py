@@ -1,0 +1,186 @@
+"""``python -m slora_jax.serve``: flags named like vLLM's, so existing scripts need few changes.
+
+With no ``--model`` it serves the embedded demo (random tiny Llama + 100 adapters, built once into a cache dir).
+On a machine without a GPU it defaults to the ``reference`` backend (Pallas in interpret mode is far too slow to
+serve) and float32; on a GPU to ``pallas`` and bfloat16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("slora_jax.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m slora_jax.serve", description=__doc__.splitlines()[0])
+    g = p.add_argument_group("model and adapters")
+    g.add_argument("--model", type=Path, help="HF Llama model dir (config.json, safetensors, tokenizer); "
+                   "omit to serve the embedded demo")
+    g.add_argument("--served-model-name", help="name clients use for the base model (default: the dir's name)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="adapters to serve, each validated fully at start-up")
+    g.add_argument("--adapter-dir", type=Path, action="append", default=[], metavar="DIR",
+                   help="serve every subdir of DIR as an adapter named after it (read on first use); runtime "
+                   "loads are allowed from below DIR (repeatable)")
+    g.add_argument("--allowed-adapter-dir", type=Path, action="append", default=[], metavar="DIR",
+                   help="also allow /v1/load_lora_adapter from below DIR (repeatable)")
+    g.add_argument("--max-loras", type=int, default=64, help="adapters resident in the pool at once")
+    g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory")
+    g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
+    e = p.add_argument_group("engine")
+    e.add_argument("--pool-gb", type=float, default=None,
+                   help="memory of the unified KV + adapter pool (default: most of the free device memory on a "
+                   "GPU, 0.25 GB on CPU)")
+    e.add_argument("--num-pages", type=int, default=None, help="pool size in pages instead of --pool-gb")
+    e.add_argument("--max-batch-size", type=int, default=64, help="running sequences per decode step")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens (default: the model's, at most 2048)")
+    e.add_argument("--max-prefill-tokens", type=int, default=None, help="tokens per prefill step (>= max-model-len)")
+    e.add_argument("--max-waiting", type=int, default=4096, help="queued requests before 429")
+    e.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    e.add_argument("--backend", choices=["pallas", "reference"], default=None,
+                   help="kernels: pallas (GPU default) or the jnp reference (CPU default)")
+    e.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
+                   help="params and pool dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    e.add_argument("--no-warmup", action="store_true", help="compile step buckets on first use instead of now")
+    s = p.add_argument_group("HTTP")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("SLORA_JAX_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $SLORA_JAX_API_KEY)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def parse_lora_modules(items: list[str]) -> dict[str, Path]:
+    modules = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora-modules: expected NAME=PATH, got {item!r}")
+        if name in modules:
+            raise SystemExit(f"--lora-modules: {name!r} given twice")
+        modules[name] = Path(path).expanduser()
+    return modules
+
+
+def adapter_subdirs(root: Path) -> dict[str, Path]:
+    """Every subdir of ``root`` holding an adapter_config.json, by name."""
+    if not root.is_dir():
+        raise SystemExit(f"--adapter-dir: {root} is not a directory")
+    return {p.name: p for p in sorted(root.iterdir()) if (p / "adapter_config.json").is_file()}
+
+
+def _on_gpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "gpu"
+
+
+def _default_pool_bytes(on_gpu: bool) -> int:
+    if not on_gpu:
+        return int(0.25 * 2**30)
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    if free <= 0:
+        raise SystemExit("cannot read free device memory: give --pool-gb")
+    return int(0.85 * free)  # the rest: activations of the largest bucket, sampler, staging
+
+
+def build_server(args: argparse.Namespace):
+    """Load the model and adapters, warm up, and return a ready-to-run :class:`Server`."""
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    from ..engine.config import EngineConfig
+    from ..engine.engine import Engine
+    from ..lora.peft import AdapterError, load_peft_adapter
+    from ..model.loader import load_params
+    from ..tools.tokenizer import load_tokenizer
+    from .app import ServerConfig
+    from .demo import DEMO_MODEL_NAME, ensure_demo
+    from .server import Server
+
+    on_gpu = _on_gpu()
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    backend = args.backend or ("pallas" if on_gpu else "reference")
+    adapter_dirs = list(args.adapter_dir)
+    if args.model is None:
+        model_dir, demo_adapters = ensure_demo(dtype)
+        adapter_dirs.append(demo_adapters)
+        name = args.served_model_name or DEMO_MODEL_NAME
+        log.info("no --model: serving the embedded demo from %s", model_dir.parent)
+    else:
+        model_dir = args.model.expanduser()
+        if not (model_dir / "config.json").is_file():
+            raise SystemExit(f"--model: {model_dir} has no config.json")
+        name = args.served_model_name or model_dir.resolve().name
+    lora_modules = parse_lora_modules(args.lora_modules)
+
+    log.info("loading %s (%s, backend %s)", model_dir, dtype, backend)
+    cfg, params = load_params(model_dir, dtype=jnp.dtype(dtype), progress=True)
+    max_len = args.max_model_len or min(cfg.max_position_embeddings, 2048)
+    pool_bytes = None if args.num_pages else int(args.pool_gb * 2**30) if args.pool_gb else _default_pool_bytes(on_gpu)
+    ecfg = EngineConfig(
+        max_batch_size=args.max_batch_size, max_model_len=max_len,
+        max_prefill_tokens=max(args.max_prefill_tokens or max_len, max_len), page_size=args.page_size,
+        max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
+        pool_bytes=pool_bytes, num_pages=args.num_pages, dtype=dtype, backend=backend, max_waiting=args.max_waiting)
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is None:
+        log.warning("%s has no tokenizer: only token-id prompts on /v1/completions will work", model_dir)
+    engine = Engine(cfg, params, ecfg, tokenizer=tokenizer)
+    capacity = engine.pool.num_pages * ecfg.page_size
+    if capacity < max_len:
+        log.warning("the pool holds %d tokens of KV, less than --max-model-len %d: longer requests will be refused",
+                    capacity, max_len)
+    log.info("pool: %d pages of %d tokens (%.2f GiB), KV and adapters together", engine.pool.num_pages,
+             ecfg.page_size, engine.pool.pool_bytes / 2**30)
+
+    for adapter_name, path in tqdm(lora_modules.items(), desc="validating adapters", disable=not lora_modules):
+        try:
+            load_peft_adapter(path, cfg, adapter_name, max_rank=ecfg.max_lora_rank)
+        except AdapterError as e:
+            raise SystemExit(f"--lora-modules: {e}") from None
+        engine.store.register(adapter_name, path)
+    for root in adapter_dirs:
+        found = adapter_subdirs(root.expanduser())
+        skipped = 0
+        for adapter_name, path in tqdm(found.items(), desc=f"registering {root}", disable=len(found) < 2):
+            if adapter_name in engine.store:
+                continue
+            try:  # one bad adapter among thousands must not stop the server: skip it with its reason
+                engine.store.register(adapter_name, path)
+            except (AdapterError, ValueError) as e:
+                log.warning("skipping %s", e)
+                skipped += 1
+        if skipped:
+            log.warning("%d of %d adapters under %s were skipped (see above)", skipped, len(found), root)
+    if not args.no_warmup:
+        log.info("warming up: compiling every step bucket once, so serving never compiles")
+        engine.warmup(progress=True)
+    config = ServerConfig(served_model_name=name, api_key=args.api_key,
+                          allowed_adapter_dirs=tuple(adapter_dirs) + tuple(args.allowed_adapter_dir))
+    return Server(engine, config, host=args.host, port=args.port, log_level=args.log_level,
+                  tokenizer=load_tokenizer(model_dir))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = build_server(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the signal after its graceful shutdown
+        pass
