@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from common import git_commit
+
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported anywhere
 
 COPY_PROBE = r"""
@@ -399,12 +401,6 @@ def print_tables(report: dict) -> None:
                                                for k, v in r.items()))
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def main() -> None:

@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from common import git_commit
+
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 COPY_SRC = r"""
@@ -397,13 +399,6 @@ def jax_copy_bandwidth() -> float:
     return 2 * n * 2 / time_fn(_negate, a[:1, :1], a) / 1e9
 
 
-def git_commit() -> str:
-    try:
-        res = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
-        return res.stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def print_table(rows):

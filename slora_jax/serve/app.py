@@ -311,12 +311,11 @@ def create_app(engine_thread: EngineThread, config: ServerConfig, tokenizer=None
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def adapter_pages(adapter: str | None) -> int:
-        """Pool pages the adapter takes (0 for none). Plain dict reads, safe from the loop; a race reads 0."""
+        """Pool pages the adapter takes (0 for none). A plain dict read, safe from the loop; a race reads 0."""
         if adapter is None:
             return 0
         try:
-            pages = engine.store.pages_needed_to_load(adapter)
-            return pages or len(engine.pool.adapter_pages(adapter))
+            return int(engine.store.adapter_pages(adapter))
         except Exception:
             return 0
 

@@ -108,6 +108,7 @@ class EngineThread:
         self.consecutive_failures = 0
         self.last_error: str | None = None
         self.fatal: str | None = None
+        self._idle_steps = 0
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> EngineThread:
@@ -255,12 +256,18 @@ class EngineThread:
     def _step(self) -> None:
         t0 = time.monotonic()
         try:
-            self.engine.step()
+            outputs = self.engine.step()
         except Exception as e:
             self._step_failed(e)
             return
         self.steps += 1
         self.consecutive_failures = 0
+        if not outputs:  # work is queued but none could be scheduled: wait a little instead of spinning
+            self._idle_steps = min(self._idle_steps + 1, 6)
+            with self._cv:
+                self._cv.wait(0.001 * 2 ** self._idle_steps)
+        else:
+            self._idle_steps = 0
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d took %.1f ms", self.steps, 1e3 * (time.monotonic() - t0))
 
