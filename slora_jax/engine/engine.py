@@ -24,6 +24,7 @@ from ..model.paged import check_backend
 from . import compile_counter
 from .adapter_store import AdapterStore
 from .config import EngineConfig
+from .detok import IncrementalDetokenizer
 from .pool import PagedPool
 from .sampling import SamplingParams
 from .scheduler import Scheduler, pages_for
@@ -94,6 +95,8 @@ class Engine:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
             seq.request_id = request_id
+        if self.tokenizer is not None and sampling.stop:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, sampling.stop)
         seq.seed = sampling.seed if sampling.seed is not None else int(np.random.default_rng().integers(2**31))
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
@@ -142,26 +145,19 @@ class Engine:
             seq.first_token_time = now
         seq.output_ids.append(token)
         sp = seq.sampling
-        text_delta = ""
         reason = None
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.cfg.eos_token_id):
             reason = "stop"
-        elif self.tokenizer is not None:
-            new_text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-            text_delta = new_text[len(seq.text):]
-            seq.text = new_text
-            if sp.stop:
-                hits = [seq.text.find(s) for s in sp.stop if s in seq.text]
-                if hits:
-                    cut = min(hits)
-                    text_delta = text_delta[: max(0, len(text_delta) - (len(seq.text) - cut))]
-                    seq.text = seq.text[:cut]
-                    reason = "stop"
+        elif seq.detok is not None:
+            seq.detok.add([token])
+            if seq.detok.stopped:
+                reason = "stop"
         if reason is None and (len(seq.output_ids) >= sp.max_tokens or seq.num_tokens >= self.ecfg.max_model_len):
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
-        out = RequestOutput(seq.request_id, [token], reason is not None, reason, text=text_delta)
+        text = seq.detok.take(final=reason is not None) if seq.detok is not None else ""
+        out = RequestOutput(seq.request_id, [token], reason is not None, reason, text=text)
         if seq.on_output is not None:
             seq.on_output(out)
         return out
@@ -224,6 +220,7 @@ class Engine:
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
             "steps": self.num_steps,
+            "preemptions": self.scheduler.num_preemptions,
             "compiles": compile_counter.compile_count(),
             "compiles_since_warmup": self.compiles_since_warmup(),
             "pool": self.pool.stats(kv_tokens_live=kv_live),

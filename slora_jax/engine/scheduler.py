@@ -49,6 +49,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._failed: list[tuple[Sequence, str]] = []
+        self.num_preemptions = 0
 
     def take_failed(self) -> list[tuple[Sequence, str]]:
         """Sequences whose adapter failed to load (with the reason), once each."""
@@ -154,6 +155,7 @@ class Scheduler:
         seq.num_cached = 0
 
     def preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.free(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

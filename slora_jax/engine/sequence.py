@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 from .sampling import SamplingParams
 
@@ -27,7 +28,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
-    text: str = ""  # new text (when the engine has a tokenizer)
+    text: str = ""  # new text, when the request has stop strings and the engine a tokenizer
 
 
 @dataclasses.dataclass(eq=False)
@@ -47,7 +48,7 @@ class Sequence:
     error: str | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
-    text: str = ""  # decoded output, kept only when stop strings need it
+    detok: Any = None  # IncrementalDetokenizer when stop strings must be watched
 
     @property
     def all_ids(self) -> list[int]:

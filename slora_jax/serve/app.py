@@ -25,11 +25,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine.detok import IncrementalDetokenizer
 from ..engine.engine import QueueFull
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import RequestOutput
 from ..lora.peft import AdapterError, load_peft_adapter
-from .detok import IncrementalDetokenizer
 from .engine_thread import EngineThread, EngineUnavailable, RequestStream
 from .metrics import ServerMetrics
 from .protocol import (

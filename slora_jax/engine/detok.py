@@ -1,6 +1,6 @@
-"""Per-request incremental detokenization with stop strings, on the HTTP side (the engine thread only steps).
+"""Per-request incremental detokenization with stop strings (used by the engine for stop strings, and by HTTP).
 
-Two things make naive deltas wrong, and the server fixes both here rather than trusting the engine's text:
+Two things make naive deltas wrong, and both are handled here:
 
 * A token may end inside a multi-byte UTF-8 character (byte-level BPE, SentencePiece byte fallback): the decoded
   text then ends in U+FFFD until the next token completes it. Text is only committed once it no longer ends in
