@@ -32,6 +32,7 @@ class EngineConfig:
     backend: str = "pallas"  # "pallas" | "reference"
     max_waiting: int = 4096  # queue bound: beyond it add_request raises QueueFull
     min_prefill_bucket: int = 16
+    min_decode_bucket: int = 1  # smallest decode batch compiled (fewer buckets = shorter warm-up)
     lora_block_t: int = 16
     attn_block_q: int = 16
 
@@ -41,7 +42,7 @@ class EngineConfig:
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:
-        return pow2_buckets(1, self.max_batch_size)
+        return pow2_buckets(self.min_decode_bucket, self.max_batch_size)
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:

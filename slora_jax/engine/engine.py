@@ -55,6 +55,7 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
         self.warm_compiles: int | None = None
         self.num_steps = 0
+        self.last_plan = None  # what the last step ran (benchmarks read it)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, ecfg: EngineConfig, adapters: dict[str, str | Path] | None = None,
@@ -120,6 +121,7 @@ class Engine:
         outputs = [self._finish(seq, "error", error) for seq, error in self.scheduler.take_failed()]
         plan = self.scheduler.schedule()
         outputs += [self._finish(seq, "error", error) for seq, error in self.scheduler.take_failed()]
+        self.last_plan = plan
         if plan is None:
             return outputs
         items = [self._item(seq, plan.kind) for seq in plan.seqs]

@@ -1,0 +1,250 @@
+"""S-LoRA serving workload on one GPU: throughput, latency, SLO attainment and decode-step roofline.
+
+    PYTHONPATH=. python benchmarks/serving.py --out serving.json          # Llama-2-7B shapes, random weights
+    PYTHONPATH=. python benchmarks/serving.py --tiny                       # CPU smoke run
+
+One engine (compiled once, max rank 64) runs a list of traces back to back, each with its own fresh set of
+synthetic adapters: S1 (rank 8) and S2 (ranks 64/32/16/8 round-robin), LoRA on q,k,v,o (as S-LoRA) or all 7
+projections, n adapters, request rate R, power-law popularity (alpha), Gamma arrivals (cv), lengths U[8, 512],
+ignore_eos. Saturation traces send requests faster than the engine serves them; latency traces use a set rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import zlib
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+from common import git_commit  # noqa: E402
+from workload import make_trace  # noqa: E402
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL7 = ATTN + ("gate_proj", "up_proj", "down_proj")
+
+
+def copy_bandwidth_gbs() -> tuple[float, str]:
+    """Device copy bandwidth (read + write) from torch in a subprocess before JAX takes the GPU."""
+    code = ("import torch,time;a=torch.randn(2**30,dtype=torch.bfloat16,device='cuda');b=torch.empty_like(a)\n"
+            "for _ in range(3): b.copy_(a)\n"
+            "torch.cuda.synchronize();s=torch.cuda.Event(enable_timing=True);e=torch.cuda.Event(enable_timing=True)\n"
+            "s.record()\nfor _ in range(20): b.copy_(a)\n"
+            "e.record();torch.cuda.synchronize();print(2*a.numel()*2*20/(s.elapsed_time(e)/1e3)/1e9)")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        return float(out.stdout.strip().splitlines()[-1]), "torch copy_ 2 GiB bf16 (read+write)"
+    except Exception:  # noqa: BLE001
+        return float("nan"), "unavailable"
+
+
+def random_params(cfg, dtype, seed=0):
+    """Random bf16 params in our layout, made on the device (no checkpoint: 13 GB would take minutes to write)."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 16))
+    L, H, I = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size  # noqa: E741
+
+    def lin(shape):
+        return (jax.random.normal(next(keys), shape, jnp.float32) / jnp.sqrt(shape[-2])).astype(dtype)
+
+    layers = {
+        "input_layernorm": {"weight": jnp.ones((L, H), dtype)},
+        "qkv_proj": {"kernel": lin((L, H, cfg.q_width + 2 * cfg.kv_width))},
+        "o_proj": {"kernel": lin((L, cfg.q_width, H))},
+        "post_attention_layernorm": {"weight": jnp.ones((L, H), dtype)},
+        "gate_up_proj": {"kernel": lin((L, H, 2 * I))},
+        "down_proj": {"kernel": lin((L, I, H))},
+    }
+    return {"embed": jax.random.normal(next(keys), (cfg.vocab_size, H), dtype), "layers": layers,
+            "norm": {"weight": jnp.ones((H,), dtype)}, "lm_head": lin((H, cfg.vocab_size))}
+
+
+def run_trace(engine, name, trace, adapter_names, vocab, budget_end, slo_s=6.0):
+    """Replay ``trace`` in real time against the engine; per-request and per-step records."""
+    from slora_jax.engine.sampling import SamplingParams
+
+    rng = __import__("numpy").random.default_rng(1)
+    pending = list(trace)
+    info = {}
+    steps = []
+    t0 = time.monotonic()
+
+    def on_output(out, rid_info):
+        now = time.monotonic() - t0
+        if out.new_token_ids and rid_info["first"] is None:
+            rid_info["first"] = now
+        rid_info["tokens"] += len(out.new_token_ids)
+        if out.finished:
+            rid_info["end"] = now
+            rid_info["reason"] = out.finish_reason
+
+    while pending or engine.has_unfinished():
+        now = time.monotonic() - t0
+        if time.monotonic() > budget_end:
+            break
+        while pending and pending[0].arrival <= now:
+            r = pending.pop(0)
+            d = {"arrival": r.arrival, "first": None, "end": None, "tokens": 0, "out": r.output_len}
+            prompt = rng.integers(3, vocab, size=r.prompt_len).tolist()
+            engine.add_request(prompt, adapter_names[r.adapter],
+                               SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True),
+                               on_output=lambda out, d=d: on_output(out, d))
+            info[id(d)] = d
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, min(pending[0].arrival - now, 0.05)) if pending else 0)
+            continue
+        ts = time.monotonic()
+        engine.step()
+        te = time.monotonic()
+        plan = engine.last_plan
+        if plan is not None:
+            steps.append({"t": te - ts, "kind": plan.kind, "batch": len(plan.seqs),
+                          "ctx": sum(s.num_tokens for s in plan.seqs),
+                          "adapters": len({s.adapter for s in plan.seqs if s.adapter})})
+    elapsed = time.monotonic() - t0
+    done = [d for d in info.values() if d["end"] is not None]
+    n = len(done)
+    toks = sum(d["tokens"] for d in done)
+    res = {
+        "trace": name, "requests": len(trace), "finished": n, "elapsed_s": elapsed,
+        "throughput_req_s": n / elapsed if elapsed else 0.0, "throughput_tok_s": toks / elapsed if elapsed else 0.0,
+        "mean_latency_s": sum(d["end"] - d["arrival"] for d in done) / max(n, 1),
+        "mean_first_token_s": sum(d["first"] - d["arrival"] for d in done) / max(n, 1),
+        "slo_attainment": sum((d["first"] - d["arrival"]) <= slo_s for d in done) / max(len(info), 1),
+        "cut_by_budget": bool(pending or engine.has_unfinished()),
+    }
+    return res, steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tiny", action="store_true", help="tiny model on CPU (reference backend)")
+    ap.add_argument("--budget-s", type=float, default=470.0, help="stop starting traces after this")
+    ap.add_argument("--requests", type=int, default=256, help="requests per saturation trace")
+    ap.add_argument("--pool-gb", type=float, default=48.0)
+    ap.add_argument("--ns", default="5,100,1000,2000")
+    args = ap.parse_args()
+    t_start = time.monotonic()
+    bw, bw_how = (float("nan"), "cpu") if args.tiny else copy_bandwidth_gbs()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from slora_jax.engine.adapter_store import SyntheticAdapterSource
+    from slora_jax.engine.config import EngineConfig
+    from slora_jax.engine.engine import Engine
+    from slora_jax.model.config import ModelConfig
+    from slora_jax.tools.synth import preset_config
+
+    cfg = ModelConfig.from_dict(preset_config("tiny" if args.tiny else "llama-2-7b"))
+    dtype = jnp.float32 if args.tiny else jnp.bfloat16
+    if args.tiny:
+        ecfg = EngineConfig(max_batch_size=16, max_prefill_tokens=1024, max_prefill_seqs=8, max_model_len=1024,
+                            page_size=16, max_lora_rank=64, max_loras=32, num_pages=2048, dtype="float32",
+                            backend="reference", min_prefill_bucket=64)
+        ns, n_req, in_range = [5, 50], 24, (8, 64)
+    else:
+        ecfg = EngineConfig(max_batch_size=128, max_prefill_tokens=2048, max_prefill_seqs=16, max_model_len=1024,
+                            page_size=16, max_lora_rank=64, max_loras=128, pool_bytes=int(args.pool_gb * 2**30),
+                            dtype="bfloat16", backend="pallas", min_prefill_bucket=256,
+                            min_decode_bucket=16, host_budget_bytes=64 << 30)
+        ns, n_req, in_range = [int(x) for x in args.ns.split(",")], args.requests, (8, 512)
+    params = random_params(cfg, dtype)
+    engine = Engine(cfg, params, ecfg)
+    t = time.monotonic()
+    engine.warmup(progress=True)
+    warm_s = time.monotonic() - t
+    warm_compiles = engine.stats()["compiles"]
+    print(f"device {jax.devices()[0].device_kind}  jax {jax.__version__}  copy {bw:.0f} GB/s  warm-up {warm_s:.0f} s "
+          f"({warm_compiles} compiles)  pool {engine.pool.stats()['num_pages']} pages", flush=True)
+
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) - params["embed"].nbytes
+    kv_token_bytes = 2 * cfg.num_hidden_layers * cfg.kv_width * 2
+
+    def adapter_bytes(rank, targets):
+        return rank * cfg.num_hidden_layers * sum(sum(cfg.module_dims(m)) for m in targets) * 2
+
+    plans = []  # (name, setting, n, targets, rate, num_requests)
+    for n in ns:
+        plans.append((f"S1-qkvo-n{n}-sat", "S1", n, ATTN, 1000.0, n_req))
+    plans.append((f"S2-qkvo-n{ns[0]}-sat", "S2", ns[0], ATTN, 1000.0, n_req))
+    plans.append((f"S2-qkvo-n{ns[-1]}-sat", "S2", ns[-1], ATTN, 1000.0, n_req))
+    plans.append((f"S1-all7-n{ns[-1]}-sat", "S1", ns[-1], ALL7, 1000.0, n_req))
+    results, all_steps = [], []
+    budget_end = t_start + args.budget_s
+    sat_rate = None
+    for name, setting, n, targets, rate, num in plans:
+        if time.monotonic() > budget_end - 20:
+            print(f"skip {name}: budget", flush=True)
+            continue
+        ranks = [8] if setting == "S1" else [64, 32, 16, 8]
+        names = []
+        for i in range(n):
+            an = f"{name}-{i}"
+            source = SyntheticAdapterSource(cfg, ranks[i % len(ranks)], targets, seed=zlib.crc32(an.encode()))
+            engine.store.register(an, source)
+            names.append(an)
+        trace = make_trace(n, rate, num, alpha=1.0, cv=1.0, in_range=in_range, out_range=in_range,
+                           seed=len(results))
+        res, steps = run_trace(engine, name, trace, names, cfg.vocab_size, budget_end)
+        mean_rank = float(np.mean(ranks))
+        dec = [s for s in steps if s["batch"] >= (64 if not args.tiny else 4) and s["kind"] == "decode"]
+        if dec:
+            roof = [(param_bytes + s["ctx"] * kv_token_bytes + s["adapters"] * adapter_bytes(mean_rank, targets))
+                    / (bw * 1e9) for s in dec]
+            res["decode_steps_batch_ge_64"] = len(dec)
+            res["decode_step_ms_median"] = float(np.median([s["t"] for s in dec]) * 1e3)
+            res["decode_roofline_ms_median"] = float(np.median(roof) * 1e3)
+            res["decode_over_roofline"] = float(np.median([s["t"] / r for s, r in zip(dec, roof, strict=True)]))
+        res.update(setting=setting, n_adapters=n, targets=len(targets), rate=rate)
+        results.append(res)
+        all_steps.append({"trace": name, "steps": steps[:4000]})
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
+        if name.startswith("S1-qkvo") and n == ns[0]:
+            sat_rate = res["throughput_req_s"]
+    # latency / SLO at a set rate: 70% of the n=5 saturation throughput, with the most adapters
+    if sat_rate and time.monotonic() < budget_end - 30:
+        rate = 0.7 * sat_rate
+        n = ns[-1]
+        name = f"S1-qkvo-n{n}-R{rate:.1f}"
+        names = [f"{name}-{i}" for i in range(n)]
+        for an in names:
+            engine.store.register(an, SyntheticAdapterSource(cfg, 8, ATTN, seed=zlib.crc32(an.encode())))
+        trace = make_trace(n, rate, max(int(rate * 40), 20), alpha=1.0, cv=1.0, in_range=in_range,
+                           out_range=in_range, seed=99)
+        res, _ = run_trace(engine, name, trace, names, cfg.vocab_size, budget_end + 50)
+        res.update(setting="S1", n_adapters=n, targets=4, rate=rate)
+        results.append(res)
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
+    report = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(), "device": jax.devices()[0].device_kind,
+        "jax_version": jax.__version__, "git_commit": git_commit(), "copy_bandwidth_gbs": bw, "copy_how": bw_how,
+        "model": "tiny" if args.tiny else "llama-2-7b (random weights)", "engine": vars(ecfg) | {},
+        "warmup_s": warm_s, "warmup_compiles": warm_compiles,
+        "compiles_after_warmup": engine.compiles_since_warmup(), "results": results,
+    }
+    nan = float("nan")
+    print(f"\ncompiles after warm-up: {report['compiles_after_warmup']}")
+    print(f"{'trace':26s} {'fin':>5s} {'req/s':>7s} {'tok/s':>8s} {'lat s':>7s} {'ttft s':>7s} {'SLO':>5s} "
+          f"{'dec ms':>7s} {'roof ms':>7s} {'x roof':>6s}")
+    for r in results:
+        print(f"{r['trace']:26s} {r['finished']:5d} {r['throughput_req_s']:7.2f} {r['throughput_tok_s']:8.0f} "
+              f"{r['mean_latency_s']:7.2f} {r['mean_first_token_s']:7.2f} {r['slo_attainment']:5.2f} "
+              f"{r.get('decode_step_ms_median', nan):7.2f} {r.get('decode_roofline_ms_median', nan):7.2f} "
+              f"{r.get('decode_over_roofline', nan):6.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report | {"steps": all_steps}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
