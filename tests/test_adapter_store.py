@@ -337,13 +337,18 @@ def test_concurrent_host_loads_respect_budget(make_store, tiny_cfg, rng):
     store = make_store(host_budget_bytes=3 * size, io_threads=4)
     for name, adapter in adapters.items():
         store.register(name, adapter)
+    gate = threading.Event()
+    store.register("gated", GatedSource(adapters["m0"], gate))
+    gated = store.fetch_to_host("gated")
+    assert store.fetch_to_host("gated") is gated, "a second fetch while loading must join the first"
     futures = {name: store.fetch_to_host(name) for name in adapters}
-    assert all(store.fetch_to_host(n) is futures[n] for n in list(adapters)[-4:] if not futures[n].done())
+    gate.set()
+    gated.result(timeout=30)
     for name, future in futures.items():
         rows = future.result(timeout=30)
         np.testing.assert_array_equal(rows.vectors, to_pool_rows(adapters[name], tiny_cfg, np.float32).vectors)
     s = store.stats()
-    assert s["host_loads"] == 16 and s["in_host"] == 3 and s["host_bytes"] == 3 * size and s["loading"] == 0
+    assert s["host_loads"] == 17 and s["in_host"] == 3 and s["host_bytes"] == 3 * size and s["loading"] == 0
 
 
 class GatedSource(AdapterSource):
