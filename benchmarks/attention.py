@@ -8,6 +8,12 @@ correctness (bf16 kernels vs the f32 jnp references), a short sweep of kernel ti
 context for a Llama-2-7B and a Llama-3-8B attention layout) and prefill (4k and 16k new tokens). Decode reports
 bytes moved (K/V read + q/out), GB/s as a fraction of copy bandwidth and speed-up over the XLA-compiled reference;
 prefill reports causal TFLOP/s as a fraction of the matmul rate. A compact table is printed last.
+
+Decode is timed two ways. ``ms`` is one jitted call per step (host dispatch included: about 50-80 us on the H200
+machine, which hides every kernel shorter than that). ``ms_in_jit`` chains ``DECODE_CHAIN`` calls inside one jit (each
+call's output is the next one's q; each reads its own random page table, so repeats do not hit L2) and divides, as the
+kernel runs inside a model step; launch gaps between kernels stay in. Every timing first runs the function for
+``WARMUP_S`` so the GPU clocks are up (the first sweep entries of the 2026-11-29 v1 run were 15-25% slow without it).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ import sys
 import time
 
 from common import git_commit
+
+DECODE_CHAIN = 10  # decode calls per jit for ms_in_jit
+WARMUP_S = 0.1  # seconds of back-to-back calls before each timing
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported anywhere
 
@@ -86,8 +95,14 @@ def import_jax():
 
 
 def timeit(fn, *args, reps: int, inner: int = 1) -> float:
-    """Median seconds per call; ``inner`` back-to-back calls per sample hide dispatch for short kernels."""
+    """Median seconds per call; ``inner`` back-to-back calls per sample hide dispatch for short kernels.
+
+    The first call compiles; then the function runs back to back for ``WARMUP_S`` so clocks are up before timing.
+    """
     jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    while time.perf_counter() - start < WARMUP_S:
+        jax.block_until_ready(fn(*args))
     samples = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -133,17 +148,33 @@ class Setup:
     matmul_n: int
     ref_limit_bytes: float
     pool_limit_bytes: float
-    block_q: int
-    block_k: int
+    block_q: int | None  # None: the kernel's defaults
+    block_k: int | None
+    decode_chain: int
 
 
 def make_setup(tiny: bool) -> Setup:
     if tiny:
         return Setup(True, True, 8, (Layout("tiny-mha", 2, 2, 32), Layout("tiny-gqa4", 4, 1, 32)), (1, 2), (16, 40),
-                     (("32", [32]), ("2x24", [24, 24])), 1, 1 << 20, 128, 1e9, 1e9, 16, 16)
+                     (("32", [32]), ("2x24", [24, 24])), 1, 1 << 20, 128, 1e9, 1e9, 16, 16, 2)
     return Setup(False, False, 16, (Layout("llama2-7b", 32, 32, 128), Layout("llama3-8b", 32, 8, 128)),
                  (1, 32, 128, 256), (128, 512, 2048, 8192),
-                 (("4k", [4096]), ("16k", [16384]), ("4x4k", [4096] * 4)), 5, 2 << 30, 8192, 40e9, 60e9, 128, 64)
+                 (("4k", [4096]), ("16k", [16384]), ("4x4k", [4096] * 4)), 5, 2 << 30, 8192, 40e9, 60e9, None, None,
+                 DECODE_CHAIN)
+
+
+def prefill_blocks(setup: Setup) -> dict:
+    """block_q/block_k keyword arguments for the prefill kernel (empty: its defaults)."""
+    return {k: v for k, v in (("block_q", setup.block_q), ("block_k", setup.block_k)) if v is not None}
+
+
+def chained_decode(decode_fn, n: int):
+    """jit of ``n`` decode calls in a row: call i reads page table ``tables[i]``; its output is call i+1's q."""
+    def run(q, pool, layer, tables, lens):
+        for i in range(n):
+            q = decode_fn(q, pool, layer, tables[i], lens)
+        return q
+    return jax.jit(run)
 
 
 def random_pool(key, num_pages: int, layout: Layout, page_size: int, dtype, distinct_pages: int = 512):
@@ -221,8 +252,8 @@ def correctness(setup: Setup, kernels) -> list[dict]:
         pool = random_pool(jax.random.key(3), num_pages, layout, page_size, jnp.bfloat16)
         table = page_tables(rng, 3, pages_each, pool.shape[1])
         q = jax.random.normal(jax.random.key(4), (rows, layout.num_heads, layout.head_dim), jnp.bfloat16)
-        got = prefill(q, pool, jnp.int32(0), table, q_starts, jnp.asarray(lens), **kw, block_q=setup.block_q,
-                      block_k=setup.block_k, interpret=setup.interpret)
+        got = prefill(q, pool, jnp.int32(0), table, q_starts, jnp.asarray(lens), **kw, **prefill_blocks(setup),
+                      interpret=setup.interpret)
         want = prefill_ref(q.astype(jnp.float32), pool.astype(jnp.float32), jnp.int32(0), table, q_starts,
                            jnp.asarray(lens), **kw)
         err = float(jnp.abs(got.astype(jnp.float32) - want).max())
@@ -243,7 +274,7 @@ def sweep(setup: Setup, kernels, deadline: Deadline) -> dict:
     pages_each = context // page_size
     num_pages = batch * pages_each
     pool = random_pool(jax.random.key(6), num_pages, layout, page_size, jnp.bfloat16)
-    table = page_tables(rng, batch, pages_each, pool.shape[1])
+    tables = jnp.stack([page_tables(rng, batch, pages_each, pool.shape[1]) for _ in range(setup.decode_chain)])
     lens = jnp.full((batch,), context, jnp.int32)
     q = jax.random.normal(jax.random.key(7), (batch, layout.num_heads, layout.head_dim), jnp.bfloat16)
     kw = dict(page_size=page_size, num_kv_heads=layout.num_kv_heads, sm_scale=layout.head_dim**-0.5)
@@ -251,10 +282,10 @@ def sweep(setup: Setup, kernels, deadline: Deadline) -> dict:
     for ppb, warps, stages in ((4, 4, 2), (4, 4, 3), (8, 4, 2), (8, 8, 3), (2, 4, 3), (4, 8, 2)):
         if deadline.left() < 0:
             break
-        fn = jax.jit(lambda *a, ppb=ppb, warps=warps, stages=stages: decode(
-            *a, **kw, pages_per_block=ppb, num_warps=warps, num_stages=stages))
+        fn = chained_decode(lambda *a, ppb=ppb, warps=warps, stages=stages: decode(
+            *a, **kw, pages_per_block=ppb, num_warps=warps, num_stages=stages), setup.decode_chain)
         try:
-            t = timeit(fn, q, pool, jnp.int32(0), table, lens, reps=setup.reps, inner=3)
+            t = timeit(fn, q, pool, jnp.int32(0), tables, lens, reps=setup.reps, inner=3) / setup.decode_chain
             out["decode"].append(dict(pages_per_block=ppb, num_warps=warps, num_stages=stages, ms=t * 1e3,
                                       gbps=nbytes / t / 1e9))
         except Exception as exc:  # noqa: BLE001
@@ -296,6 +327,7 @@ def bench_decode(setup: Setup, kernels, probe: dict, deadline: Deadline) -> list
         pool = random_pool(jax.random.key(11), num_pages, layout, page_size, jnp.bfloat16)
         kw = dict(page_size=page_size, num_kv_heads=layout.num_kv_heads, sm_scale=layout.head_dim**-0.5)
         kernel = jax.jit(lambda *a, kw=kw: decode(*a, **kw, interpret=setup.interpret))
+        chain = chained_decode(lambda *a, kw=kw: decode(*a, **kw, interpret=setup.interpret), setup.decode_chain)
         reference = jax.jit(lambda *a, kw=kw: decode_ref(*a, **kw))
         for batch in setup.batches:
             for context in setup.contexts:
@@ -316,8 +348,20 @@ def bench_decode(setup: Setup, kernels, probe: dict, deadline: Deadline) -> list
                 nbytes = decode_kv_bytes(layout, batch, context, 2)
                 t = timeit(kernel, *args, reps=setup.reps, inner=1 if setup.tiny else 5)
                 row.update(ms=t * 1e3, bytes=nbytes, gbps=nbytes / t / 1e9)
+                if t < 1e-3 or setup.tiny:  # longer calls are device-bound already: back-to-back calls overlap dispatch
+                    tables = jnp.stack([table] + [page_tables(rng, batch, pages_each, pool.shape[1])
+                                                  for _ in range(setup.decode_chain - 1)])
+                    t_jit = timeit(chain, q, pool, jnp.int32(0), tables, lens, reps=setup.reps,
+                                   inner=1 if setup.tiny else 5) / setup.decode_chain
+                    del tables
+                    row["chain"] = setup.decode_chain
+                else:
+                    t_jit = t
+                    row["chain"] = 1
+                row.update(ms_in_jit=t_jit * 1e3, gbps_in_jit=nbytes / t_jit / 1e9)
                 if probe.get("copy_gbps"):
                     row["frac_copy_bw"] = row["gbps"] / probe["copy_gbps"]
+                    row["frac_copy_bw_in_jit"] = row["gbps_in_jit"] / probe["copy_gbps"]
                 if decode_reference_bytes(layout, batch, context) > setup.ref_limit_bytes:
                     row["reference"] = "skipped: reference would materialise too much memory"
                 elif deadline.left() > 0:
@@ -334,8 +378,7 @@ def bench_prefill(setup: Setup, kernels, probe: dict, deadline: Deadline) -> lis
     page_size = setup.page_size
     for layout in setup.layouts:
         kw = dict(page_size=page_size, num_kv_heads=layout.num_kv_heads, sm_scale=layout.head_dim**-0.5)
-        kernel = jax.jit(lambda *a, kw=kw: prefill(*a, **kw, block_q=setup.block_q, block_k=setup.block_k,
-                                                   interpret=setup.interpret))
+        kernel = jax.jit(lambda *a, kw=kw: prefill(*a, **kw, **prefill_blocks(setup), interpret=setup.interpret))
         reference = jax.jit(lambda *a, kw=kw: prefill_ref(*a, **kw))
         for label, new_tokens in setup.prefill:
             row = dict(layout=layout.name, tokens=label)
@@ -378,14 +421,18 @@ def print_tables(report: dict) -> None:
     checks = [f"{r['kernel']}/{r['layout']}" + (f"/splits={r['splits']}" if "splits" in r else "")
               + f" err {r['max_abs_err']:.1e} {'ok' if r['ok'] else 'FAIL'}" for r in report["correctness"]]
     print("correctness: " + ", ".join(checks))
-    print(f"{'decode layout':<12} {'batch':>5} {'ctx':>5} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'ref ms':>8} "
-          f"{'x ref':>6}")
+    print(f"prefill tiles (block_q, block_k, warps, stages): {report.get('prefill_tiles')}; decode chain "
+          f"{report.get('decode_chain')} calls per jit for the in-jit columns")
+    print(f"{'decode layout':<12} {'batch':>5} {'ctx':>5} {'ms':>8} {'%copy':>6} {'jit ms':>8} {'GB/s':>7} "
+          f"{'%copy':>6} {'ref ms':>8} {'x ref':>6}")
     for r in report["decode"]:
         if "skipped" in r:
             print(f"{r['layout']:<12} {r['batch']:>5} {r['context']:>5}  skipped: {r['skipped']}")
             continue
-        print(f"{r['layout']:<12} {r['batch']:>5} {r['context']:>5} {r['ms']:>8.3f} {r['gbps']:>7.0f} "
+        print(f"{r['layout']:<12} {r['batch']:>5} {r['context']:>5} {r['ms']:>8.3f} "
               f"{fmt(100 * r['frac_copy_bw'] if 'frac_copy_bw' in r else None, '.0f'):>6} "
+              f"{r['ms_in_jit']:>8.3f} {r['gbps_in_jit']:>7.0f} "
+              f"{fmt(100 * r['frac_copy_bw_in_jit'] if 'frac_copy_bw_in_jit' in r else None, '.0f'):>6} "
               f"{fmt(r.get('ref_ms'), '.3f'):>8} {fmt(r.get('speedup'), '.1f'):>6}")
     print(f"{'prefill layout':<14} {'tokens':>6} {'ms':>8} {'TFLOP/s':>8} {'%mm':>5} {'ref ms':>8} {'x ref':>6}")
     for r in report["prefill"]:
@@ -417,7 +464,11 @@ def main() -> None:
     probe = {} if args.tiny else probe_with_torch(setup.copy_bytes, setup.matmul_n)
     import_jax()
     from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
-    from pallas_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
+    from pallas_kernels.prefill_attention import (
+        default_prefill_tiles,
+        paged_prefill_attention,
+        paged_prefill_attention_reference,
+    )
 
     if "copy_gbps" not in probe:
         torch_error = probe.get("error")
@@ -431,6 +482,9 @@ def main() -> None:
         device=str(jax.devices()[0].device_kind), backend=jax.default_backend(), jax=jax.__version__,
         commit=git_commit(), tiny=setup.tiny, interpret=setup.interpret, page_size=setup.page_size, probe=probe,
         layouts=[dataclasses.asdict(x) for x in setup.layouts],
+        prefill_tiles=list(default_prefill_tiles(**prefill_blocks(setup))), decode_chain=setup.decode_chain,
+        timing=("median of reps; decode 'ms' = one jitted call incl. host dispatch, 'ms_in_jit' = chained calls in one "
+                f"jit / chain; {WARMUP_S} s warm-up before each timing"),
     )
     report["correctness"] = correctness(setup, kernels)
     report["sweep"] = {} if args.no_sweep else sweep(setup, kernels, Deadline(min(90.0, deadline.left())))

@@ -72,6 +72,23 @@ def prefill_tile_map(q_starts: np.ndarray, context_lens: np.ndarray, num_rows: i
     return table[order].astype(np.int32)
 
 
+def default_prefill_tiles(block_q: int = 128, block_k: int | None = None, num_warps: int | None = None,
+                          num_stages: int | None = None) -> tuple[int, int, int, int]:
+    """Resolve ``(block_q, block_k, num_warps, num_stages)``; measured on an H200 (benchmarks/NOTES.md, 2026-11-29).
+
+    At 16k tokens (llama3-8b layout) 128x128 with 8 warps and 2 stages ran 291 TFLOP/s and 128x64 with 4 warps and 3
+    stages 286, against 223 for the former 128x64 / 8 warps / 3 stages (sweep); in the full run 16k went from 261 to
+    298 TFLOP/s (llama3-8b) and 239 to 275 (llama2-7b) with the new default. 128x128 with 3 stages would need ~224 KiB
+    of shared memory, so big tiles take 2 stages. Small ``block_q`` (the engine's CPU default) keeps block_k 64.
+    """
+    if block_k is None:
+        block_k = 128 if block_q >= 128 else 64
+    big = block_q * block_k >= 128 * 128
+    num_warps = num_warps or (8 if big else 4)
+    num_stages = num_stages or (2 if big else 3)
+    return block_q, block_k, num_warps, num_stages
+
+
 def _tile_work(table, block_q: int):
     """Keys a tile attends to (its last position + 1); works on numpy and jnp tables."""
     xp = jnp if isinstance(table, jax.Array) else np
@@ -177,16 +194,18 @@ def _prefill_kernel(tile_ref, q_ref, pool_ref, layer_ref, page_table_ref, o_ref,
                                              "interpret", "num_warps", "num_stages"))
 def paged_prefill_attention(q: jax.Array, pool: jax.Array, layer: jax.Array, page_table: jax.Array,
                             q_starts: jax.Array, context_lens: jax.Array, *, page_size: int, num_kv_heads: int,
-                            sm_scale: float, block_q: int = 128, block_k: int = 64, tile_map: jax.Array | None = None,
-                            interpret: bool | None = None, num_warps: int | None = None,
-                            num_stages: int = 3) -> jax.Array:
+                            sm_scale: float, block_q: int = 128, block_k: int | None = None,
+                            tile_map: jax.Array | None = None, interpret: bool | None = None,
+                            num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """Causal attention of new tokens over their sequences' paged K/V (the new K/V already written).
 
     q: [T, n_heads, hd] (sequence b's rows are ``q_starts[b]:q_starts[b+1]``); pool: [L, NP, 2*n_kv*P, hd];
     layer: int32 scalar; page_table: int32[B, max_pages]; q_starts: int32[B+1] (q_starts[0] = 0); context_lens:
     int32[B] (total tokens incl. the new ones) -> [T, n_heads, hd] in q.dtype, zeros for rows past ``q_starts[-1]``.
     tile_map: optional int32[num_tiles, 4] from :func:`prefill_tile_map` (host); computed on device when omitted.
+    block_k, num_warps, num_stages: None picks :func:`default_prefill_tiles`.
     """
+    block_q, block_k, num_warps, num_stages = default_prefill_tiles(block_q, block_k, num_warps, num_stages)
     num_rows, num_heads, head_dim = q.shape
     num_layers, num_pages, page_rows, _ = pool.shape
     check_pool_layout(pool, num_kv_heads, page_size, head_dim)
@@ -206,7 +225,7 @@ def paged_prefill_attention(q: jax.Array, pool: jax.Array, layer: jax.Array, pag
     out = pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((num_rows, num_heads * head_dim), q.dtype),
         grid=(num_tiles, num_heads), in_specs=[any_spec()] * 5, out_specs=any_spec(), interpret=interpret,
-        num_warps=num_warps or (8 if block_q >= 128 else 4), num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
         name=f"paged_prefill_bq{block_q}_bk{block_k}",
     )(tile_map.astype(jnp.int32), q.reshape(num_rows, num_heads * head_dim), pool.reshape(-1, head_dim),
       jnp.asarray(layer, jnp.int32).reshape(1), page_table.astype(jnp.int32))

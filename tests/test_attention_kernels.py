@@ -18,6 +18,7 @@ import pytest
 from pallas_kernels.kv_cache import gather_kv_reference, token_slots, write_kv
 from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
 from pallas_kernels.prefill_attention import (
+    default_prefill_tiles,
     paged_prefill_attention,
     paged_prefill_attention_reference,
     prefill_tile_map,
@@ -252,6 +253,14 @@ def test_paged_prefill_matches_reference_and_dense(num_kv_heads, num_heads, head
         assert_close(out[q_starts[b]:q_starts[b + 1]], dense, 2e-5)
 
 
+def test_default_prefill_tiles():
+    """Defaults measured on an H200: big query tiles take 128 keys, 8 warps, 2 stages; small ones keep 64 keys."""
+    assert default_prefill_tiles() == (128, 128, 8, 2)
+    assert default_prefill_tiles(128, 64) == (128, 64, 4, 3)
+    assert default_prefill_tiles(16) == (16, 64, 4, 3)
+    assert default_prefill_tiles(64, 64, 8, 4) == (64, 64, 8, 4)
+
+
 # ---------------------------------------------------------------------------------------------- GPU (compiled)
 
 
@@ -273,7 +282,7 @@ def test_gpu_paged_decode(num_kv_heads, num_heads, num_splits):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("num_kv_heads,num_heads,head_dim", [(8, 8, 128), (8, 32, 128), (4, 16, 64)])
-@pytest.mark.parametrize("block_q,block_k", [(128, 64), (64, 64)])
+@pytest.mark.parametrize("block_q,block_k", [(128, 64), (64, 64), (128, None)])
 def test_gpu_paged_prefill(num_kv_heads, num_heads, head_dim, block_q, block_k):
     rng = np.random.default_rng(12)
     n_new = np.array([700, 1, 0, 300])
