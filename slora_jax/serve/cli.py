@@ -82,6 +82,11 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+# Tile sizes for compiled kernels on the GPU (tl.dot-sized; measured in benchmarks/NOTES.md). The small CPU defaults
+# keep interpret mode and tiny test models fast.
+GPU_TILES = dict(lora_block_t=64, attn_block_q=128, min_prefill_bucket=128)
+
+
 def _default_pool_bytes(on_gpu: bool) -> int:
     if not on_gpu:
         return int(0.25 * 2**30)
@@ -132,7 +137,8 @@ def build_server(args: argparse.Namespace):
         max_batch_size=args.max_batch_size, max_model_len=max_len,
         max_prefill_tokens=max(args.max_prefill_tokens or max_len, max_len), page_size=args.page_size,
         max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
-        pool_bytes=pool_bytes, num_pages=args.num_pages, dtype=dtype, backend=backend, max_waiting=args.max_waiting)
+        pool_bytes=pool_bytes, num_pages=args.num_pages, dtype=dtype, backend=backend, max_waiting=args.max_waiting,
+        **(GPU_TILES if on_gpu else {}))
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:
         log.warning("%s has no tokenizer: only token-id prompts on /v1/completions will work", model_dir)
