@@ -155,8 +155,8 @@ def main() -> None:
     else:
         ecfg = EngineConfig(max_batch_size=128, max_prefill_tokens=2048, max_prefill_seqs=16, max_model_len=1024,
                             page_size=16, max_lora_rank=64, max_loras=128, pool_bytes=int(args.pool_gb * 2**30),
-                            dtype="bfloat16", backend="pallas", min_prefill_bucket=256, lora_block_t=64, attn_block_q=128,
-                            min_decode_bucket=16, host_budget_bytes=64 << 30)
+                            dtype="bfloat16", backend="pallas", min_prefill_bucket=256, min_decode_bucket=16,
+                            lora_block_t=64, attn_block_q=128, host_budget_bytes=64 << 30)
         ns, n_req, in_range = [int(x) for x in args.ns.split(",")], args.requests, (8, 512)
     params = random_params(cfg, dtype)
     engine = Engine(cfg, params, ecfg)
