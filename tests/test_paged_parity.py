@@ -6,6 +6,7 @@ pages scattered by earlier loads and unloads.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,9 @@ from slora_jax.lora.peft import load_peft_adapter
 from slora_jax.lora.pool_rows import to_pool_rows
 from slora_jax.model.loader import load_params
 from slora_jax.model.paged import paged_forward
+
+# On a GPU float32 dots run as TF32 (XLA's default, and Triton's for tl.dot): about 1e-3 relative.
+TOL = 2e-3 if jax.default_backend() == "gpu" else 1e-4
 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
@@ -54,10 +58,10 @@ def test_paged_prefill_and_decode_logits_match_peft(tiny_dir, adapter_dirs, back
     for j, i in enumerate(order):
         adapter = adapter_dirs[rows[i]] if rows[i] else None
         ref = hf_logits(tiny_dir, prompts[i] + [int(nxt[j])], adapter)
-        assert rel_err(np.asarray(logits[j]), ref[-2]) <= 1e-4, rows[i]
+        assert rel_err(np.asarray(logits[j]), ref[-2]) <= TOL, rows[i]
         items[j] = StepItem([int(nxt[j])], len(prompts[i]), items[j].pages, items[j].adapter_slot, None, 0, 0)
         items[j].ref_next = ref[-1]
     batch, _ = runner.build_decode(items)
     logits, _ = paged_forward(cfg, runner.decode_spec, params, pool.array, pool.table, device_batch(batch))
     for j, i in enumerate(order):
-        assert rel_err(np.asarray(logits[j]), items[j].ref_next) <= 1e-4, rows[i]
+        assert rel_err(np.asarray(logits[j]), items[j].ref_next) <= TOL, rows[i]
