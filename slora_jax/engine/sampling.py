@@ -72,22 +72,38 @@ def sampling_arrays(params: list[SamplingParams | None], seeds: list[int], count
 
 
 def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
-    """Token ids [B] from logits [B, V]: greedy where temperature == 0, else top-k/top-p filtered Gumbel-max."""
+    """Token ids [B] from logits [B, V]: greedy where temperature == 0, else top-k/top-p filtered Gumbel-max.
+
+    The vocab sort that top-k/top-p need runs only when some row asks for them (a [B, V] sort per step is not free).
+    """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampling = s.temperature > 0
+    filtering = sampling & ((s.top_k > 0) | (s.top_p < 1.0))
+    return jax.lax.cond(jnp.any(sampling), _sample_rows, lambda *a: greedy,
+                        logits, greedy, s, sampling, jnp.any(filtering))
+
+
+def _sample_rows(logits, greedy, s: SamplingArrays, sampling, any_filter):
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+    threshold = jax.lax.cond(any_filter, _filter_threshold, lambda x, _: jnp.full((x.shape[0], 1), -jnp.inf),
+                             scaled, s)
+    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.PRNGKey(seed), c))(s.seed, s.counter)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
+    sampled = jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.where(sampling, sampled, greedy)
+
+
+def _filter_threshold(scaled, s: SamplingArrays):
+    """Per-row logit threshold [B, 1] that keeps the top-k and the smallest top-p prefix (always the top token)."""
+    vocab = scaled.shape[-1]
     sorted_desc = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
     probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
     cum = jnp.cumsum(probs_sorted, axis=-1)
-    # smallest prefix whose mass reaches top_p (always keeps the top token)
     keep_sorted = (cum - probs_sorted) < s.top_p[:, None]
     p_cut = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    threshold = jnp.maximum(kth, p_cut)
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.PRNGKey(seed), c))(s.seed, s.counter)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
-    sampled = jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
-    return jnp.where(s.temperature > 0, sampled, greedy)
+    return jnp.maximum(kth, p_cut)

@@ -1,0 +1,64 @@
+"""The in-step sampler: greedy rows, top-k / top-p filtering, temperature, per-request seeds."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from slora_jax.engine.sampling import SamplingArrays, SamplingParams, sampling_arrays
+from slora_jax.engine.sampling import sample as _sample
+
+sample = jax.jit(_sample)  # eager lax.cond would compile on every call
+
+
+def _arrays(params, seeds, counters):
+    return SamplingArrays(**{k: jnp.asarray(v) for k, v in sampling_arrays(params, seeds, counters,
+                                                                           len(params)).items()})
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_rows():
+    rng = np.random.default_rng()
+    logits = rng.standard_normal((4, 50)).astype(np.float32) * 3
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), None, SamplingParams(temperature=0.0)]
+    out = np.asarray(sample(jnp.asarray(logits), _arrays(params, [1, 2, 0, 3], [0, 0, 0, 0])))
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax() and out[3] == logits[3].argmax()
+
+
+def test_top_k_and_top_p_never_leave_their_set():
+    rng = np.random.default_rng()
+    logits = rng.standard_normal((1, 40)).astype(np.float32) * 2
+    probs = np.exp(logits[0] - logits[0].max())
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    nucleus = set(order[: int(np.searchsorted(np.cumsum(probs[order]), 0.6)) + 1])
+    top5 = set(order[:5])
+    for seed in range(60):
+        k = int(sample(jnp.asarray(logits), _arrays([SamplingParams(temperature=1.0, top_k=5)], [seed], [0]))[0])
+        p = int(sample(jnp.asarray(logits), _arrays([SamplingParams(temperature=1.0, top_p=0.6)], [seed], [0]))[0])
+        assert k in top5 and p in nucleus
+
+
+def test_temperature_sampling_follows_the_softmax():
+    logits = np.log(np.array([[0.5, 0.3, 0.2]], np.float32))
+    draws = [int(sample(jnp.asarray(logits), _arrays([SamplingParams(temperature=1.0)], [7], [c]))[0])
+             for c in range(600)]
+    freq = np.bincount(draws, minlength=3) / len(draws)
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.2], atol=0.07)
+
+
+def test_same_seed_and_counter_repeat_and_counters_differ():
+    rng = np.random.default_rng()
+    logits = jnp.asarray(rng.standard_normal((1, 1000)).astype(np.float32))
+    p = [SamplingParams(temperature=1.0)]
+    a = [int(sample(logits, _arrays(p, [42], [c]))[0]) for c in range(8)]
+    b = [int(sample(logits, _arrays(p, [42], [c]))[0]) for c in range(8)]
+    assert a == b and len(set(a)) > 1
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-3),
+                                 dict(max_tokens=0), dict(seed=-1), dict(stop=("",)), dict(temperature=float("nan"))])
+def test_invalid_sampling_values_are_rejected(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad).validate()
