@@ -56,6 +56,19 @@ def dot_f32(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
+def online_softmax_step(acc, m_prev, l_prev, scores, v):
+    """One key block of flash attention (log2 domain): rescale the running sums, add this block's weighted values.
+
+    acc [rows, hd] f32, m_prev / l_prev [rows] running max and denominator, scores [rows, block_k] (masked entries
+    MASK_VALUE), v [block_k, hd]. Returns the new (acc, m, l).
+    """
+    m_new = jnp.maximum(m_prev, scores.max(axis=1))
+    alpha = jnp.exp2(m_prev - m_new)
+    p = jnp.exp2(scores - m_new[:, None])
+    l_new = l_prev * alpha + p.sum(axis=1)
+    return acc * alpha[:, None] + dot_f32(p.astype(v.dtype), v), m_new, l_new
+
+
 def _decode_kernel(q_ref, pool_ref, layer_ref, page_table_ref, lens_ref, *out_refs, group: int, group_pad: int,
                    head_dim: int, page_size: int, num_kv_heads: int, num_pages: int, page_rows: int, block_k: int,
                    num_splits: int, scale_log2: float):
@@ -96,12 +109,7 @@ def _decode_kernel(q_ref, pool_ref, layer_ref, page_table_ref, lens_ref, *out_re
         v = load(pool_ref.at[(row + v_row0)[:, None], cols[None, :]], mask=tok_ok[:, None], other=0.0)
         scores = dot_f32(q, k, trans_b=True) * scale_log2  # [group_pad, block_k], f32, log2 domain
         scores = jnp.where(tok_ok[None, :], scores, MASK_VALUE)
-        m_new = jnp.maximum(m_prev, scores.max(axis=1))
-        alpha = jnp.exp2(m_prev - m_new)
-        p = jnp.exp2(scores - m_new[:, None])
-        l_new = l_prev * alpha + p.sum(axis=1)
-        acc = acc * alpha[:, None] + dot_f32(p.astype(v.dtype), v)
-        return acc, m_new, l_new
+        return online_softmax_step(acc, m_prev, l_prev, scores, v)
 
     init = (jnp.zeros((group_pad, head_dim), jnp.float32), jnp.full((group_pad,), MASK_VALUE, jnp.float32),
             jnp.zeros((group_pad,), jnp.float32))

@@ -24,9 +24,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kv_cache import check_pool_layout, gather_kv_reference
 from pallas_kernels.lowering import any_spec, load, pallas_call, store
-from pallas_kernels.paged_attention import dot_f32
+from pallas_kernels.paged_attention import MASK_VALUE, dot_f32, online_softmax_step
 
-MASK_VALUE = -1e30
 LOG2E = math.log2(math.e)
 NO_POSITION = -(2**30)  # pos_start of tiles that attend to nothing (padding rows, unused tiles)
 TILE_FIELDS = 4  # seq, row_start, row_end, pos_start
@@ -175,12 +174,7 @@ def _prefill_kernel(tile_ref, q_ref, pool_ref, layer_ref, page_table_ref, o_ref,
         if masked:
             causal = (tok[None, :] <= positions[:, None]) & tok_ok[None, :]
             scores = jnp.where(causal, scores, MASK_VALUE)
-        m_new = jnp.maximum(m_prev, scores.max(axis=1))
-        alpha = jnp.exp2(m_prev - m_new)
-        p = jnp.exp2(scores - m_new[:, None])
-        l_new = l_prev * alpha + p.sum(axis=1)
-        acc = acc * alpha[:, None] + dot_f32(p.astype(v.dtype), v)
-        return acc, m_new, l_new
+        return online_softmax_step(acc, m_prev, l_prev, scores, v)
 
     carry = (jnp.zeros((block_q, head_dim), jnp.float32), jnp.full((block_q,), MASK_VALUE, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
