@@ -61,7 +61,7 @@ def test_paged_prefill_and_decode_logits_match_peft(tiny_dir, adapter_dirs, back
         assert rel_err(np.asarray(logits[j]), ref[-2]) <= TOL, rows[i]
         items[j] = StepItem([int(nxt[j])], len(prompts[i]), items[j].pages, items[j].adapter_slot, None, 0, 0)
         items[j].ref_next = ref[-1]
-    batch, _ = runner.build_decode(items)
+    batch, _, _ = runner.build_decode(items)
     logits, _ = paged_forward(cfg, runner.decode_spec, params, pool.array, pool.table, device_batch(batch))
     for j, i in enumerate(order):
         assert rel_err(np.asarray(logits[j]), items[j].ref_next) <= TOL, rows[i]

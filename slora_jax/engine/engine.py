@@ -56,6 +56,7 @@ class Engine:
         self.warm_compiles: int | None = None
         self.num_steps = 0
         self.last_plan = None  # what the last step ran (benchmarks read it)
+        self._inflight: tuple[list[Sequence], jax.Array] | None = None  # dispatched, tokens not read yet
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, ecfg: EngineConfig, adapters: dict[str, str | Path] | None = None,
@@ -114,33 +115,61 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        inflight = self._inflight is not None and any(s.status != Status.FINISHED for s in self._inflight[0])
+        return self.scheduler.has_work() or inflight
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        """Schedule and dispatch the next step, then read back the previous one while the device runs this one.
+
+        A decode step takes its input tokens straight from the previous step's output on the device, so the host's
+        bookkeeping (tokens, stops, callbacks, the next batch) overlaps the device's work instead of idling it.
+        """
         outputs = [self._finish(seq, "error", error) for seq, error in self.scheduler.take_failed()]
         plan = self.scheduler.schedule()
         outputs += [self._finish(seq, "error", error) for seq, error in self.scheduler.take_failed()]
         self.last_plan = plan
-        if plan is None:
-            return outputs
-        items = [self._item(seq, plan.kind) for seq in plan.seqs]
-        run = self.runner.prefill if plan.kind == "prefill" else self.runner.decode
-        next_ids, self.pool.array = run(self.params, self.pool.array, self.pool.table, items)
-        self.store.prefetch([s.adapter for s in list(self.scheduler.waiting)[: self.ecfg.max_prefill_seqs]
-                             if s.adapter is not None])
-        next_ids = np.asarray(next_ids)
-        self.num_steps += 1
+        previous, self._inflight = self._inflight, None
+        if plan is not None:
+            items = [self._item(seq, plan.kind) for seq in plan.seqs]
+            if plan.kind == "prefill":
+                next_ids, self.pool.array = self.runner.prefill(self.params, self.pool.array, self.pool.table, items)
+            else:
+                prev_ids = previous[1] if previous is not None else None
+                next_ids, self.pool.array = self.runner.decode(self.params, self.pool.array, self.pool.table, items,
+                                                               prev_ids)
+            self._inflight = (plan.seqs, next_ids)
+            self.num_steps += 1
+            self.store.prefetch([s.adapter for s in list(self.scheduler.waiting)[: self.ecfg.max_prefill_seqs]
+                                 if s.adapter is not None])
+        if previous is not None:
+            outputs += self._drain(*previous)
+        if plan is not None:
+            for row, seq in enumerate(plan.seqs):
+                seq.inflight = row
+        return outputs
+
+    def _drain(self, seqs: list[Sequence], next_ids: jax.Array) -> list[RequestOutput]:
+        """Read a finished step's tokens and append them (sequences ended meanwhile drop theirs)."""
+        tokens = np.asarray(next_ids)
         now = time.monotonic()
-        for seq, token in zip(plan.seqs, next_ids[: len(plan.seqs)], strict=True):
+        outputs = []
+        for seq in seqs:
+            row, seq.inflight = seq.inflight, -1
+            if seq.status == Status.FINISHED or row < 0:
+                continue
             seq.num_cached = seq.num_tokens
-            outputs.append(self._append(seq, int(token), now))
+            outputs.append(self._append(seq, int(tokens[row]), now))
         return outputs
 
     def _item(self, seq: Sequence, kind: str) -> StepItem:
-        start = 0 if kind == "prefill" else seq.num_tokens - 1
-        return StepItem(tokens=seq.all_ids[start:], start=start, pages=seq.kv_pages, adapter_slot=seq.adapter_slot,
-                        sampling=seq.sampling, seed=seq.seed, counter=len(seq.output_ids))
+        if kind == "prefill":
+            return StepItem(tokens=seq.all_ids, start=0, pages=seq.kv_pages, adapter_slot=seq.adapter_slot,
+                            sampling=seq.sampling, seed=seq.seed, counter=seq.num_generated)
+        on_device = seq.inflight >= 0
+        return StepItem(tokens=[0 if on_device else seq.all_ids[-1]], start=seq.num_tokens - 1, pages=seq.kv_pages,
+                        adapter_slot=seq.adapter_slot, sampling=seq.sampling, seed=seq.seed,
+                        counter=seq.num_generated, token_src=seq.inflight)
 
     def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         if seq.first_token_time is None:

@@ -67,10 +67,14 @@ class Scheduler:
         admitted = self._admit()
         if admitted:
             return Plan("prefill", admitted)
-        if not self.running:
-            return None
         preempted = self._reserve_decode_pages()
-        return Plan("decode", list(self.running), preempted) if self.running else None
+        seqs = self._decodable()
+        return Plan("decode", seqs, preempted) if seqs else None
+
+    def _decodable(self) -> list[Sequence]:
+        """Running sequences that may still grow (one whose last token is still on the device may be done)."""
+        limit = self.ecfg.max_model_len
+        return [s for s in self.running if not s.length_done and s.num_tokens < limit]
 
     def _admit(self) -> list[Sequence]:
         ecfg, page = self.ecfg, self.ecfg.page_size
@@ -129,6 +133,9 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            if seq.length_done or seq.num_tokens >= self.ecfg.max_model_len:
+                i += 1
+                continue
             position = seq.num_tokens - 1  # the token this decode step writes
             if position // page < len(seq.kv_pages):
                 i += 1

@@ -43,6 +43,7 @@ class Sequence:
     status: Status = Status.WAITING
     kv_pages: list[int] = dataclasses.field(default_factory=list)
     adapter_slot: int = -1
+    inflight: int = -1  # row of this sequence's sampled token in the step still on the device (-1 = none)
     num_cached: int = 0  # tokens whose K/V are in the pool
     finish_reason: str | None = None
     error: str | None = None
@@ -55,8 +56,19 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_generated(self) -> int:
+        """Generated tokens, counting the one still on the device."""
+        return len(self.output_ids) + (self.inflight >= 0)
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Prompt plus generated tokens, counting the one still on the device."""
+        return len(self.prompt_ids) + self.num_generated
+
+    @property
+    def length_done(self) -> bool:
+        """No more tokens may be generated (max_tokens reached, counting the one still on the device)."""
+        return self.num_generated >= self.sampling.max_tokens
 
     @property
     def max_total_tokens(self) -> int:

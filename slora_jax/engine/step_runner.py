@@ -35,6 +35,7 @@ class StepItem:
     sampling: SamplingParams | None
     seed: int
     counter: int  # tokens generated so far (fresh randomness per step)
+    token_src: int = -1  # decode: take the input token from row ``token_src`` of the previous step's output
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -51,8 +52,10 @@ class StepRunner:
                     lora_block_t=ecfg.lora_block_t, attn_block_q=ecfg.attn_block_q, interpret=interpret)
         self.prefill_spec = PagedSpec(mode="prefill", **spec)
         self.decode_spec = PagedSpec(mode="decode", **spec)
-        self._prefill = jax.jit(functools.partial(_step, cfg, self.prefill_spec), donate_argnums=(1,))
-        self._decode = jax.jit(functools.partial(_step, cfg, self.decode_spec), donate_argnums=(1,))
+        self.out_rows = max(ecfg.max_batch_size, ecfg.max_prefill_seqs)  # every step returns this many token ids
+        self._prefill = jax.jit(functools.partial(_step, cfg, self.prefill_spec, self.out_rows), donate_argnums=(1,))
+        self._decode = jax.jit(functools.partial(_step, cfg, self.decode_spec, self.out_rows), donate_argnums=(1,))
+        self._no_prev = jnp.zeros(self.out_rows, jnp.int32)
 
     # ---------------------------------------------------------------- batch building (numpy)
     def _base_arrays(self, n_rows: int, n_seqs: int) -> dict[str, np.ndarray]:
@@ -95,14 +98,17 @@ class StepRunner:
                                            max_prefill_tiles(n_rows, n_seqs, ecfg.attn_block_q))
         return self._finish(a, items, n_seqs)
 
-    def build_decode(self, items: list[StepItem]) -> tuple[StepBatch, SamplingArrays]:
+    def build_decode(self, items: list[StepItem]) -> tuple[StepBatch, SamplingArrays, np.ndarray]:
+        """Also returns ``token_src`` int32[n]: rows whose input token is still on the device (-1 = from the host)."""
         n = _bucket(len(items), self.ecfg.decode_buckets)
         a = self._base_arrays(n, n)
         self._fill(a, items, lambda i: i)
+        token_src = np.full(n, -1, np.int32)
+        token_src[: len(items)] = [it.token_src for it in items]
         a["q_starts"][:] = np.minimum(np.arange(n + 1), len(items))
         a["lora_tiles"] = np.zeros((3, 1), np.int32)
         a["attn_tiles"] = np.zeros((1, 4), np.int32)
-        return self._finish(a, items, n)
+        return (*self._finish(a, items, n), token_src)
 
     def _lora_tiles(self, n_rows: int) -> int:
         return -(-n_rows // self.ecfg.lora_block_t) + self.ecfg.max_prefill_seqs + 1
@@ -115,13 +121,17 @@ class StepRunner:
 
     # ---------------------------------------------------------------- running
     def prefill(self, params, pool, table, items: list[StepItem]) -> tuple[jax.Array, jax.Array]:
-        """Dispatch a prefill step; returns (next token ids [max_prefill_seqs], pool) without waiting."""
+        """Dispatch a prefill step; returns (next token ids [out_rows], pool) without waiting."""
         batch, s = self.build_prefill(items)
-        return self._prefill(params, pool, table, batch, s)
+        return self._prefill(params, pool, table, batch, s, self._no_prev, np.full(batch.tokens.shape, -1, np.int32))
 
-    def decode(self, params, pool, table, items: list[StepItem]) -> tuple[jax.Array, jax.Array]:
-        batch, s = self.build_decode(items)
-        return self._decode(params, pool, table, batch, s)
+    def decode(self, params, pool, table, items: list[StepItem],
+               prev_tokens: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Dispatch a decode step; input tokens of rows with ``token_src >= 0`` come from ``prev_tokens`` (the last
+        step's output, still on the device), so this step can be queued before that one's tokens are read."""
+        batch, s, token_src = self.build_decode(items)
+        return self._decode(params, pool, table, batch, s, self._no_prev if prev_tokens is None else prev_tokens,
+                            token_src)
 
     def warmup(self, params, pool, table, progress: bool = True) -> jax.Array:
         """Compile every bucket with an all-padding batch (writes nothing: every KV slot is -1)."""
@@ -136,20 +146,24 @@ class StepRunner:
                 a["attn_tiles"] = prefill_tile_map(a["q_starts"], a["context_lens"], n, ecfg.attn_block_q,
                                                    max_prefill_tiles(n, ecfg.max_prefill_seqs, ecfg.attn_block_q))
                 batch, s = self._finish(a, [], ecfg.max_prefill_seqs)
-                tokens, pool = self._prefill(params, pool, table, batch, s)
+                tokens, pool = self._prefill(params, pool, table, batch, s, self._no_prev, np.full(n, -1, np.int32))
             else:
                 a = self._base_arrays(n, n)
                 a["lora_tiles"] = np.zeros((3, 1), np.int32)
                 a["attn_tiles"] = np.zeros((1, 4), np.int32)
                 batch, s = self._finish(a, [], n)
-                tokens, pool = self._decode(params, pool, table, batch, s)
+                tokens, pool = self._decode(params, pool, table, batch, s, self._no_prev, np.full(n, -1, np.int32))
             tokens.block_until_ready()
         return pool
 
 
-def _step(cfg: ModelConfig, spec: PagedSpec, params, pool, table, batch: StepBatch, s: SamplingArrays):
+def _step(cfg: ModelConfig, spec: PagedSpec, out_rows: int, params, pool, table, batch: StepBatch,
+          s: SamplingArrays, prev_tokens: jax.Array, token_src: jax.Array):
+    tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], batch.tokens)
+    batch = dataclasses.replace(batch, tokens=tokens)
     logits, pool = paged_forward(cfg, spec, params, pool, table, batch)
-    return sample(logits, s), pool
+    sampled = sample(logits, s)
+    return jnp.zeros(out_rows, jnp.int32).at[: sampled.shape[0]].set(sampled), pool
 
 
 def device_batch(batch: StepBatch) -> StepBatch:
