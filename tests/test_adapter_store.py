@@ -538,3 +538,124 @@ def test_warmup_compiles_every_load_bucket_once(make_store, tiny_cfg, rng):
         store.release(name)
     assert store.stats()["evictions"] >= 3
     assert compile_counter.compile_count() == before
+
+
+# ---- device staging ahead of pool loads ---------------------------------------------------------------------------
+
+
+def record_stage_threads(store: AdapterStore) -> list[str]:
+    threads, stage = [], store.pool.stage
+
+    def traced(rows, **kw):
+        threads.append(threading.current_thread().name)
+        return stage(rows, **kw)
+
+    store.pool.stage = traced
+    return threads
+
+
+def test_prefetch_stages_on_io_threads_and_loads_use_it(make_store, tiny_cfg, rng):
+    store = make_store(num_pages=64, max_slots=2)
+    threads = record_stage_threads(store)
+    adapters = {n: random_adapter(tiny_cfg, rng, n, ranks=(4,)) for n in "xyz"}
+    for name, adapter in adapters.items():
+        store.register(name, adapter)
+    store.prefetch(["x", "y"])  # not in host memory: read, then staged, on IO threads
+    wait_host(store, "x", "y")  # the host future is done only after the staging
+    assert store.stats()["stagings"] == 2 and store.stats()["staged"] == 2
+    assert threads and all(t.startswith("adapter-io") for t in threads)
+    store.prefetch(["x", "y"])  # pool loads from the staged pages: no staging on the engine thread
+    stats = store.stats()
+    assert stats["prefetch_loads"] == 2 and stats["staged_loads"] == 2 and stats["staged"] == 0
+    assert all(t.startswith("adapter-io") for t in threads)
+    for name in "xy":
+        assert_holds(store, name, adapters[name])
+
+    # Already in host memory but no room: staged as a job of its own; acquire then uses it.
+    store.acquire("x")
+    store.acquire("y")
+    wait_host(store, "z")
+    store.prefetch(["z"])
+    assert not store.is_resident("z")
+    deadline = time.monotonic() + 30
+    while store.stats()["stagings"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.stats()["stagings"] == 3 and threads[-1].startswith("adapter-io")
+    store.release("y")
+    store.acquire("z")
+    assert store.stats()["staged_loads"] == 3 and store.stats()["staged"] == 0
+    assert_holds(store, "z", adapters["z"])
+    assert_holds(store, "x", adapters["x"])
+
+    # Without staging (acquire of an adapter nobody prefetched) the load stages inline, same contents.
+    store.release("x")
+    store.unregister("y")
+    store.register("y", adapters["y"])
+    store.acquire("y")
+    assert store.stats()["staged_loads"] == 3 and threads[-1] == threading.current_thread().name
+    assert_holds(store, "y", adapters["y"])
+
+
+def test_staged_pages_are_dropped_and_never_cross_names(make_store, tiny_cfg, rng):
+    store = make_store(num_pages=128, max_slots=4, max_staged=2)
+    adapters = {n: random_adapter(tiny_cfg, rng, n, ranks=(4, 8)) for n in "abcd"}
+    for name, adapter in adapters.items():
+        store.register(name, adapter)
+
+    store.prefetch(["a"])
+    wait_host(store, "a")
+    assert store.stats()["staged"] == 1
+    # Unregister drops it; a new adapter under the same name never picks it up.
+    store.unregister("a")
+    assert store.stats()["staged"] == 0
+    fresh = random_adapter(tiny_cfg, rng, "a", ranks=(2,))
+    store.register("a", fresh)
+    store.acquire("a")
+    assert store.stats()["staged_loads"] == 0
+    assert_holds(store, "a", fresh)
+    store.release("a")
+
+    # A re-registration while the old staging is pending: the new registration reads and stages afresh.
+    store.prefetch(["b"])
+    store.unregister("b")
+    store.register("b", adapters["c"])
+    wait_host(store, "b")
+    store.acquire("b")
+    assert_holds(store, "b", adapters["c"])
+    store.release("b")
+
+    # Bounded: at most max_staged held, the oldest dropped first.
+    store.unregister("b")
+    store.register("b", adapters["b"])
+    store.prefetch(["b", "c", "d"], max_pool_loads=0)
+    wait_host(store, "b", "c", "d")
+    stats = store.stats()
+    assert stats["staged"] <= 2 and stats["staged_dropped"] >= 1
+    for name in "bcd":  # each adapter loads its own weights, staged or not
+        store.acquire(name)
+        assert_holds(store, name, adapters[name])
+    assert store.stats()["staged"] == 0
+
+
+def test_staged_pages_are_dropped_with_their_host_rows(make_store, tiny_cfg, rng):
+    adapters = {n: random_adapter(tiny_cfg, rng, n, ranks=(4,)) for n in "ab"}
+    store = make_store(num_pages=64, max_slots=2, max_host_adapters=1)
+    for name, adapter in adapters.items():
+        store.register(name, adapter)
+    store.prefetch(["a"])
+    wait_host(store, "a")
+    assert store.stats()["staged"] == 1
+    wait_host(store, "b")  # evicts a's rows from host memory, and with them its staged pages
+    assert not store.in_host("a") and store.stats()["staged"] == 0
+    store.acquire("a")
+    assert store.stats()["staged_loads"] == 0
+    assert_holds(store, "a", adapters["a"])
+
+    # Rows too large for the host tier are not staged either (their load reads again).
+    small = make_store(num_pages=64, max_slots=2, host_budget_bytes=0)
+    small.register("a", adapters["a"])
+    small.prefetch(["a"])
+    small.fetch_to_host("a").result(timeout=30)
+    assert small.stats()["staged"] == 0
+    small.acquire("a")
+    assert_holds(small, "a", adapters["a"])

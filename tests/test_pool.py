@@ -339,3 +339,58 @@ def test_one_compile_per_scatter_bucket():
     assert pool_mod._write_pages._cache_size() - scatter0 <= 1
     assert pool_mod._set_slot._cache_size() - table0 <= 1
     assert_adapter_resident(pool, part)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pre_staged_load_writes_exactly_what_an_inline_load_writes(dtype):
+    rng = np.random.default_rng(8)
+    adapters = [random_adapter(rng, f"s{i}") for i in range(3)]
+    inline, staged = make_pool(num_pages=400, dtype=dtype), make_pool(num_pages=400, dtype=dtype)
+    for pool in (inline, staged):
+        churn(pool, np.random.default_rng(9))  # same churn: same free pages in both
+    for ad in adapters:
+        rows = to_pool_rows(ad, CFG)
+        st = staged.stage(rows)
+        assert st.bucket == staged.page_bucket(rows.pages_needed(staged.page_rows)) == st.vectors.shape[1]
+        assert st.vectors.dtype == staged.dtype and st.n_pages == rows.pages_needed(staged.page_rows)
+        assert inline.load_adapter(ad.name, rows) == staged.load_adapter(ad.name, rows, st)
+        assert inline.adapter_pages(ad.name) == staged.adapter_pages(ad.name)
+    np.testing.assert_array_equal(np.asarray(inline.array.astype(jnp.float32)),
+                                  np.asarray(staged.array.astype(jnp.float32)))
+    for a, b in zip(inline.table, staged.table, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if dtype == jnp.float32:
+        for ad in adapters:
+            assert_adapter_resident(staged, ad)
+
+
+def test_staged_pages_of_other_rows_are_refused_and_change_nothing():
+    rng = np.random.default_rng(10)
+    pool = make_pool(num_pages=200, max_slots=3)
+    big = to_pool_rows(random_adapter(rng, "big", ranks=(32,), p_absent=0.0), CFG)
+    small = to_pool_rows(random_adapter(rng, "small", ranks=(4,), p_absent=0.0), CFG)
+    free, slots, array = pool.num_free_pages, pool.num_free_slots, np.asarray(pool.array)
+    with pytest.raises(ValueError, match="staged pages"):
+        pool.load_adapter("small", small, pool.stage(big))
+    other = make_pool(num_pages=200, max_slots=3, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="staged pages"):
+        pool.load_adapter("small", small, other.stage(small))
+    assert (pool.num_free_pages, pool.num_free_slots, "small" in pool) == (free, slots, False)
+    np.testing.assert_array_equal(np.asarray(pool.array), array)
+
+
+def test_staged_and_inline_loads_share_one_scatter_compile():
+    from slora_jax.engine import pool as pool_mod
+
+    if not hasattr(pool_mod._write_pages, "_cache_size"):
+        pytest.skip("jit cache introspection not available in this jax")
+    rng = np.random.default_rng(11)
+    pool = make_pool(num_pages=176, max_slots=3, max_rank=16)  # a pool shape no other test uses
+    ads = [random_adapter(rng, f"c{i}", ranks=(4,), p_absent=0.0) for i in range(2)]  # 16 pages each
+    scatter0 = pool_mod._write_pages._cache_size()
+    pool.load_adapter("c0", to_pool_rows(ads[0], CFG))
+    rows = to_pool_rows(ads[1], CFG)
+    pool.load_adapter("c1", rows, pool.stage(rows))
+    assert pool_mod._write_pages._cache_size() - scatter0 <= 1
+    for ad in ads:
+        assert_adapter_resident(pool, ad)

@@ -11,6 +11,11 @@ Three tiers, after S-LoRA:
 
 ``prefetch`` is called right after the engine dispatches a step: it starts host loads for the head of the waiting
 queue and turns host-ready adapters into pool loads, which are async JAX dispatches that overlap the running step.
+Adapters it asks for are also *staged* on the IO threads (``PagedPool.stage``: padded to the page bucket and copied
+to the device, right after the host read, or as a job of its own when already in host memory), so the later pool
+load on the engine thread is only the scatter and table update. Staged pages are keyed by (entry, host rows object),
+so they never serve another adapter or a re-registered name, and are dropped once loaded, when the rows leave the
+host tier, on unregister / retry, and beyond ``max_staged`` held (oldest first), bounding the device memory they use.
 
 Threading: the engine thread calls every public method; the IO workers only run ``_run_load``. Everything both
 touch (registrations, host cache, in-flight loads, load errors, IO counters) is guarded by ``_lock``; the pool-tier
@@ -33,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from pallas_kernels.lora_common import pack_offsets
-from slora_jax.engine.pool import PagedPool
+from slora_jax.engine.pool import PagedPool, StagedPages
 from slora_jax.lora.peft import (
     AdapterError,
     _check_config,
@@ -309,6 +314,17 @@ class _HostLoad:
     claimed: bool = False
 
 
+@dataclasses.dataclass(eq=False)
+class _Staging:
+    """Device staging of one adapter's host rows for its next pool load. ``rows`` is None while waiting for the host
+    read (the IO worker stages right after it); whoever claims it first runs it, and the future gives StagedPages."""
+
+    entry: _Entry
+    rows: AdapterRows | None
+    future: Future
+    claimed: bool = False
+
+
 def _rows_nbytes(rows: AdapterRows) -> int:
     return sum(a.nbytes for a in (rows.vectors, rows.rank, rows.a_off, rows.b_off, rows.scale, rows.layer_num_vectors))
 
@@ -338,19 +354,21 @@ class AdapterStore:
     """
 
     def __init__(self, model_cfg: ModelConfig, pool: PagedPool, *, host_budget_bytes: int, max_rank: int | None = None,
-                 dtype=None, io_threads: int = 4, max_host_adapters: int | None = None):
+                 dtype=None, io_threads: int = 4, max_host_adapters: int | None = None, max_staged: int = 8):
         if _shape_key(model_cfg) != _shape_key(pool.config):
             raise ValueError("model config and pool config describe different model shapes")
         max_rank = pool.max_rank if max_rank is None else int(max_rank)
         if not 1 <= max_rank <= pool.max_rank:
             raise ValueError(f"max_rank {max_rank} must be in 1..{pool.max_rank} (the pool's max_rank)")
-        if host_budget_bytes < 0 or io_threads < 1 or (max_host_adapters is not None and max_host_adapters < 0):
-            raise ValueError("host_budget_bytes and max_host_adapters must be >= 0 and io_threads >= 1")
+        if (host_budget_bytes < 0 or io_threads < 1 or max_staged < 0
+                or (max_host_adapters is not None and max_host_adapters < 0)):
+            raise ValueError("host_budget_bytes, max_host_adapters, max_staged must be >= 0 and io_threads >= 1")
         self.model_cfg, self.pool = model_cfg, pool
         self.max_rank = max_rank
         self.dtype = np.dtype(pool.dtype if dtype is None else dtype)
         self.host_budget_bytes = int(host_budget_bytes)
         self.max_host_adapters = max_host_adapters
+        self.max_staged = int(max_staged)  # adapters staged on the device ahead of their pool load, at most
         self._widths = np.array([sum(model_cfg.module_dims(m)) // model_cfg.head_dim for m in MODULES], np.int64)
 
         self._lock = threading.Lock()
@@ -361,6 +379,7 @@ class AdapterStore:
         self._host_sizes: dict[str, int] = {}
         self._host_bytes = 0
         self._loads: dict[str, _HostLoad] = {}
+        self._staged: OrderedDict[str, _Staging] = OrderedDict()  # oldest first
         self._io_counts: Counter[str] = Counter()
         # engine thread only
         self._lru: OrderedDict[str, int] = OrderedDict()  # resident name -> pages, least recently used first
@@ -423,6 +442,7 @@ class AdapterStore:
                 raise KeyError(f"adapter {name!r} is not registered")
             self._errors.pop(name, None)
             self._drop_host(name)
+            self._drop_staged(name)
             load = self._loads.pop(name, None)
             if load is not None and not load.claimed:
                 load.claimed = True
@@ -436,6 +456,7 @@ class AdapterStore:
             if self._entries.get(name) is entry:
                 self._entries[name] = fresh
                 self._errors.pop(name, None)
+                self._drop_staged(name)
 
     def names(self) -> list[str]:
         with self._lock:
@@ -491,19 +512,23 @@ class AdapterStore:
             self._executor.submit(self._run_load, load)
         return load.future
 
-    def _run_load(self, load: _HostLoad) -> None:
-        """Read one adapter from its source (IO thread, or inline from ``acquire``); never raises for bad adapters."""
+    def _run_load(self, load: _HostLoad, inline: bool = False) -> None:
+        """Read one adapter from its source (IO thread, or inline from ``acquire``); never raises for bad adapters.
+
+        On an IO thread, an adapter ``prefetch`` asked for is also staged on the device before its rows are
+        published, so prefetch never sees its rows without its staged pages."""
         with self._lock:
             if load.claimed:
                 return
             load.claimed = True
         entry, name = load.entry, load.entry.name
-        rows, error = None, None
+        rows, error, staging = None, None, None
         try:
             rows = entry.source.load_rows(name, self.model_cfg, self.max_rank, self.dtype)
             rows.name = name
             if rows.max_rank > self.max_rank:
                 raise AdapterError(name, f"rank {rows.max_rank} is above the maximum {self.max_rank}")
+            staging = None if inline else self._claim_staging_after_read(entry)
         except AdapterError as e:
             error = e
         except Exception as e:  # any failure of one adapter's read must not escape into the engine
@@ -514,6 +539,19 @@ class AdapterStore:
                     del self._loads[name]
             _finish(load.future, error=e)
             raise
+        staged = None
+        if error is None and staging is not None:
+            try:
+                staged = self._stage_or_none(name, rows)
+            except BaseException as e:  # leave no staging claimed but never finished
+                with self._lock:
+                    if self._staged.get(name) is staging:
+                        del self._staged[name]
+                    if self._loads.get(name) is load:
+                        del self._loads[name]
+                _finish(staging.future, error=e)
+                _finish(load.future, error=e)
+                raise
         with self._lock:
             if self._loads.get(name) is load:
                 del self._loads[name]
@@ -527,6 +565,15 @@ class AdapterStore:
                 if current:
                     entry.pages = rows.pages_needed(self.pool.page_rows)
                     self._insert_host(name, rows)
+            if staging is not None:
+                if staged is not None and self._staged.get(name) is staging and self._host.get(name) is rows:
+                    staging.rows = rows
+                else:  # failed, unregistered, dropped meanwhile, or not kept in host memory: useless
+                    if self._staged.get(name) is staging:
+                        del self._staged[name]
+                    staged = None
+        if staging is not None:
+            _finish(staging.future, staged, None if staged is not None else AdapterError(name, "not staged"))
         if error is not None:
             log.warning("%s", error)
         _finish(load.future, rows, error)
@@ -537,7 +584,7 @@ class AdapterStore:
         if size > self.host_budget_bytes or self.max_host_adapters == 0:
             self._io_counts["host_too_large"] += 1
             return
-        self._drop_host(name)
+        self._drop_host(name, keep_staged=True)  # the caller settles this name's staging
         self._host[name], self._host_sizes[name] = rows, size
         self._host_bytes += size
         while self._host_bytes > self.host_budget_bytes or (
@@ -546,9 +593,89 @@ class AdapterStore:
             self._drop_host(oldest)
             self._io_counts["host_evictions"] += 1
 
-    def _drop_host(self, name: str) -> None:
+    def _drop_host(self, name: str, keep_staged: bool = False) -> None:
         if self._host.pop(name, None) is not None:
             self._host_bytes -= self._host_sizes.pop(name)
+        if not keep_staged:
+            self._drop_staged(name)
+
+    # ---- device staging (under _lock unless said otherwise) -------------------------------------------------
+
+    def _drop_staged(self, name: str) -> None:
+        staging = self._staged.pop(name, None)
+        if staging is not None:
+            staging.claimed = True  # a queued job will not run; a running one finishes into a future nobody reads
+
+    def _want_staged(self, entry: _Entry, rows: AdapterRows | None) -> None:
+        """Stage ``entry`` for its next load: after its host read (``rows`` None) or now on an IO thread."""
+        name = entry.name
+        staging = self._staged.get(name)
+        if staging is not None and staging.entry is entry and (
+                (rows is not None and staging.rows is rows)  # staged, or being staged, from these very rows
+                or (staging.rows is None and (rows is None or staging.claimed))):  # staged by the IO read
+            self._staged.move_to_end(name)
+            return
+        if self.max_staged == 0 or self._closed:
+            return
+        self._drop_staged(name)
+        staging = self._staged[name] = _Staging(entry, rows, Future())
+        if rows is not None:
+            self._executor.submit(self._run_stage, staging)
+        while len(self._staged) > self.max_staged:
+            self._drop_staged(next(iter(self._staged)))
+            self._io_counts["staged_dropped"] += 1
+
+    def _claim_staging_after_read(self, entry: _Entry) -> _Staging | None:
+        """IO thread, lock not held: the staging waiting for this host read, now claimed by the caller."""
+        with self._lock:
+            staging = self._staged.get(entry.name)
+            if staging is None or staging.entry is not entry or staging.rows is not None or staging.claimed:
+                return None
+            staging.claimed = True
+            return staging
+
+    def _stage_or_none(self, name: str, rows: AdapterRows) -> StagedPages | None:
+        """IO thread, lock not held: ``pool.stage`` (blocking until on the device); None if it failed."""
+        try:
+            staged = self.pool.stage(rows)
+        except Exception as e:  # e.g. device memory short: the load will stage inline instead
+            log.warning("staging adapter %r failed: %s: %s", name, type(e).__name__, e)
+            return None
+        with self._lock:
+            self._io_counts["stagings"] += 1
+        return staged
+
+    def _run_stage(self, staging: _Staging) -> None:
+        """IO thread: stage rows already in host memory (a job of its own)."""
+        with self._lock:
+            if staging.claimed:
+                return
+            staging.claimed = True
+        name = staging.entry.name
+        staged = self._stage_or_none(name, staging.rows)
+        if staged is None:
+            with self._lock:
+                if self._staged.get(name) is staging:
+                    del self._staged[name]
+        _finish(staging.future, staged, None if staged is not None else AdapterError(name, "not staged"))
+
+    def _take_staged(self, name: str, rows: AdapterRows, wait: bool) -> StagedPages | None:
+        """Engine thread, lock not held: this adapter's staged pages if made from exactly ``rows`` of its current
+        registration and ready (or, with ``wait``, being made on an IO thread right now); the staging is used up."""
+        with self._lock:
+            staging = self._staged.pop(name, None)
+            if staging is None:
+                return None
+            usable = staging.rows is rows and staging.entry is self._entries.get(name)
+            if not usable or not staging.claimed:
+                staging.claimed = True  # not started: cheaper to stage inline than to wait in the queue
+                return None
+        if not staging.future.done() and not wait:
+            return None
+        try:
+            return staging.future.result()
+        except Exception:
+            return None
 
     # ---- pool tier ------------------------------------------------------------------------------------------
 
@@ -574,7 +701,7 @@ class AdapterStore:
         pages = rows.pages_needed(self.pool.page_rows)
         if not self._make_room(pages):
             raise NoRoom(self._no_room_message(name, pages))
-        slot = self._load(name, rows)
+        slot = self._load(name, rows, wait_staged=True)
         self._pin(name)
         self._counts["misses"] += 1
         return slot
@@ -673,19 +800,28 @@ class AdapterStore:
                     continue
                 rows = self._host.get(name)
                 if rows is None:
+                    self._want_staged(entry, None)  # before the read starts, so the IO worker stages after it
                     self._fetch_locked(entry)
                 else:
                     self._host.move_to_end(name)
                     ready.append((name, rows))
         protect = set(names)
         loads = 0
+        waiting = []
         for name, rows in ready:
-            if max_pool_loads is not None and loads >= max_pool_loads:
-                break
-            if self._make_room(rows.pages_needed(self.pool.page_rows), protect, keep_free_pages):
+            if ((max_pool_loads is None or loads < max_pool_loads)
+                    and self._make_room(rows.pages_needed(self.pool.page_rows), protect, keep_free_pages)):
                 self._load(name, rows)
                 self._counts["prefetch_loads"] += 1
                 loads += 1
+            else:
+                waiting.append((name, rows))
+        if waiting:  # not loadable yet: stage them on the IO threads so their load is cheap later
+            with self._lock:
+                for name, rows in waiting:
+                    entry = self._entries.get(name)
+                    if entry is not None and self._host.get(name) is rows:
+                        self._want_staged(entry, rows)
 
     def warmup(self) -> None:
         """Compile the pool's load / unload for every page-count bucket now, so serving never compiles.
@@ -723,9 +859,11 @@ class AdapterStore:
             registered = len(self._entries)
             io = dict(self._io_counts)
             host_bytes, loading, failed = self._host_bytes, len(self._loads), len(self._errors)
+            staged = len(self._staged)
         resident = set(self._lru)
-        keys = ("hits", "misses", "evictions", "loads", "prefetch_loads")
-        io_keys = ("host_hits", "host_misses", "host_loads", "host_evictions", "host_too_large", "load_errors")
+        keys = ("hits", "misses", "evictions", "loads", "prefetch_loads", "staged_loads")
+        io_keys = ("host_hits", "host_misses", "host_loads", "host_evictions", "host_too_large", "load_errors",
+                   "stagings", "staged_dropped")
         return {
             "registered": registered,
             "resident": len(resident),
@@ -734,6 +872,7 @@ class AdapterStore:
             "source_only": registered - len(resident | host),
             "loading": loading,
             "failed": failed,
+            "staged": staged,
             "host_bytes": host_bytes,
             "host_budget_bytes": self.host_budget_bytes,
             "resident_pages": sum(self._lru.values()),
@@ -746,6 +885,8 @@ class AdapterStore:
         """Stop the IO threads; loads not yet started fail with 'store closed'."""
         with self._lock:
             self._closed = True
+            for name in list(self._staged):
+                self._drop_staged(name)
             for load in self._loads.values():
                 if not load.claimed:
                     load.claimed = True
@@ -782,7 +923,7 @@ class AdapterStore:
             load = self._loads.get(entry.name)
             inline = load if load is not None and load.future is future and not load.claimed else None
         if inline is not None:
-            self._run_load(inline)
+            self._run_load(inline, inline=True)
         return future.result()
 
     def _room_for(self, pages: int, protect: set[str] | frozenset = frozenset(), keep_free: int = 0) -> bool:
@@ -808,8 +949,12 @@ class AdapterStore:
             self._evict(name)
         return True
 
-    def _load(self, name: str, rows: AdapterRows) -> int:
-        slot = self.pool.load_adapter(name, rows)
+    def _load(self, name: str, rows: AdapterRows, wait_staged: bool = False) -> int:
+        """Load into the pool, using pages an IO thread staged when ready (``wait_staged``: or being staged now)."""
+        staged = self._take_staged(name, rows, wait_staged)
+        slot = self.pool.load_adapter(name, rows, staged)
+        if staged is not None:
+            self._counts["staged_loads"] += 1
         pages = len(self.pool.adapter_pages(name))
         self._lru[name] = pages
         self._evictable_pages += pages

@@ -25,7 +25,7 @@ from slora_jax.engine.page_allocator import ADAPTER, KV, ForeignPage, OutOfPages
 from slora_jax.lora.pool_rows import AdapterRows
 from slora_jax.model.config import MODULES, ModelConfig
 
-__all__ = ["OutOfPages", "OutOfSlots", "PagedPool", "ResidentAdapter", "max_adapter_vectors"]
+__all__ = ["OutOfPages", "OutOfSlots", "PagedPool", "ResidentAdapter", "StagedPages", "max_adapter_vectors"]
 
 
 class OutOfSlots(RuntimeError):
@@ -40,6 +40,19 @@ class ResidentAdapter:
     slot: int
     pages: tuple[int, ...]
     total_vectors: int  # vectors actually used, summed over layers
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StagedPages:
+    """One adapter's vectors already on the device, laid out for one scatter (see :meth:`PagedPool.stage`).
+
+    ``vectors`` is ``[L, bucket, page_rows, V]`` in the pool dtype: the adapter's ``n_pages`` pages, then zero pages
+    up to ``bucket`` (``page_bucket(n_pages)``). Made from one ``AdapterRows``; only ever load it with those rows.
+    """
+
+    bucket: int
+    n_pages: int
+    vectors: jax.Array
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -124,8 +137,26 @@ class PagedPool:
 
     # ---- adapters -------------------------------------------------------------------------------------------
 
-    def load_adapter(self, name: str, rows: AdapterRows) -> int:
+    def stage(self, rows: AdapterRows, *, block: bool = True) -> StagedPages:
+        """Copy ``rows`` to the device, padded to its page bucket, ready for :meth:`load_adapter`.
+
+        Thread-safe (numpy and ``jax.device_put`` only, no pool state), so IO threads can stage while the engine
+        runs a step. ``block`` waits until the copy is on the device, so a done future means a cheap load.
+        """
+        n_pages = rows.pages_needed(self.page_rows)
+        bucket = self.page_bucket(n_pages)
+        host = np.zeros((self.num_layers, bucket * self.page_rows, self.vec), self.dtype)
+        host[:, : rows.num_vectors] = rows.vectors
+        vectors = jax.device_put(host.reshape(self.num_layers, bucket, self.page_rows, self.vec))
+        if block:
+            vectors.block_until_ready()
+        return StagedPages(bucket, n_pages, vectors)
+
+    def load_adapter(self, name: str, rows: AdapterRows, staged: StagedPages | None = None) -> int:
         """Make ``rows`` resident: allocate pages anywhere, scatter the vectors, fill a table slot; returns the slot.
+
+        ``staged`` (from :meth:`stage` of these same ``rows``) skips the host copy and transfer; without it the rows
+        are staged here, on the calling thread.
 
         Raises :class:`OutOfSlots` / :class:`OutOfPages` (pool, table and books unchanged) when there is no room.
         """
@@ -141,13 +172,22 @@ class PagedPool:
         n_pages = rows.pages_needed(self.page_rows)
         if n_pages > self.max_pages:
             raise ValueError(f"adapter {name!r} needs {n_pages} pages; the table holds at most {self.max_pages}")
+        if staged is not None:
+            want = (self.num_layers, self.page_bucket(n_pages), self.page_rows, self.vec)
+            if (staged.n_pages != n_pages or staged.bucket != want[1] or tuple(staged.vectors.shape) != want
+                    or staged.vectors.dtype != self.dtype):
+                raise ValueError(f"adapter {name!r}: staged pages ({staged.n_pages} pages, {staged.vectors.shape} "
+                                 f"{staged.vectors.dtype}) do not match its rows ({n_pages} pages, {want} "
+                                 f"{self.dtype})")
         if not self._free_slots:
             raise OutOfSlots(f"all {self.max_slots} adapter slots are taken; unload one before loading {name!r}")
 
         pages = self.allocator.alloc(n_pages, (ADAPTER, name))  # raises OutOfPages with nothing changed
         try:
             if n_pages:
-                self.array = _write_pages(self.array, *self._stage_pages(rows, pages))
+                if staged is None:
+                    staged = self.stage(rows, block=False)
+                self.array = _write_pages(self.array, self._page_ids(pages, staged.bucket), staged.vectors)
             slot = self._free_slots[0]
             page_row = np.zeros(self.max_pages, np.int32)
             page_row[:n_pages] = pages
@@ -259,11 +299,8 @@ class PagedPool:
         """Pages per scatter call: next power of two (capped at ``max_pages``) so compiles stay few."""
         return min(next_pow2(n_pages), self.max_pages)
 
-    def _stage_pages(self, rows: AdapterRows, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Host buffers for one scatter: page ids padded with an out-of-range id, vectors padded with zeros."""
-        bucket = self.page_bucket(len(pages))
+    def _page_ids(self, pages: list[int], bucket: int) -> np.ndarray:
+        """Page ids for one scatter, padded to ``bucket`` with the out-of-range id ``num_pages`` (dropped)."""
         page_ids = np.full(bucket, self.num_pages, np.int32)
         page_ids[: len(pages)] = pages
-        staged = np.zeros((self.num_layers, bucket * self.page_rows, self.vec), self.dtype)
-        staged[:, : rows.num_vectors] = rows.vectors
-        return page_ids, staged.reshape(self.num_layers, bucket, self.page_rows, self.vec)
+        return page_ids
