@@ -124,6 +124,14 @@ def dense_delta(world: World, x: np.ndarray, row_slot: np.ndarray, layer: int, m
     return out
 
 
+def check_expand(out, out_ref, base, world, x, row_slot, layer, modules):
+    """Expand output equals its reference and base + the dense delta; rows without an adapter keep base exactly."""
+    close(out, out_ref, 1e-5)
+    want = base + np.concatenate(dense_delta(world, x, row_slot, layer, modules), axis=1)
+    close(out, want, 1e-5)
+    np.testing.assert_array_equal(np.asarray(out)[row_slot < 0], base[row_slot < 0])
+
+
 def dense_shrink(world: World, x: np.ndarray, row_slot: np.ndarray, layer: int, modules, max_rank: int) -> np.ndarray:
     y = np.zeros((x.shape[0], len(modules), max_rank))
     for i, m in enumerate(modules):
@@ -181,10 +189,7 @@ def test_bgmv(seed, modules, layer, n_rows, tuning):
 
     out = bgmv_expand(y, jnp.asarray(base), pool, *args, modules, d_outs, tuning=tuning)
     out_ref = bgmv_expand_reference(y_ref, jnp.asarray(base), pool, *args, modules, d_outs)
-    close(out, out_ref, 1e-5)
-    want = base + np.concatenate(dense_delta(world, x, row_slot, layer, modules), axis=1)
-    close(out, want, 1e-5)
-    np.testing.assert_array_equal(np.asarray(out)[row_slot < 0], base[row_slot < 0])
+    check_expand(out, out_ref, base, world, x, row_slot, layer, modules)
 
 
 def test_bgmv_bf16():
@@ -309,10 +314,7 @@ def test_sgmv(seed, modules, layer, lengths, block_t, splits):
     out = sgmv_expand(y, jnp.asarray(base), pool, layer_arr, dtiles, table, modules, d_outs, block_t,
                       tuning=Tuning(vecs=2))
     out_ref = sgmv_expand_reference(y_ref, jnp.asarray(base), pool, layer_arr, dtiles, table, modules, d_outs, block_t)
-    close(out, out_ref, 1e-5)
-    want = base + np.concatenate(dense_delta(world, x, row_slot, layer, modules), axis=1)
-    close(out, want, 1e-5)
-    np.testing.assert_array_equal(np.asarray(out)[row_slot < 0], base[row_slot < 0])
+    check_expand(out, out_ref, base, world, x, row_slot, layer, modules)
 
 
 def test_sgmv_bf16():
