@@ -130,20 +130,24 @@ class Engine:
         outputs += [self._finish(seq, "error", error) for seq, error in self.scheduler.take_failed()]
         self.last_plan = plan
         previous, self._inflight = self._inflight, None
-        if plan is not None:
-            items = [self._item(seq, plan.kind) for seq in plan.seqs]
-            if plan.kind == "prefill":
-                next_ids, self.pool.array = self.runner.prefill(self.params, self.pool.array, self.pool.table, items)
-            else:
-                prev_ids = previous[1] if previous is not None else None
-                next_ids, self.pool.array = self.runner.decode(self.params, self.pool.array, self.pool.table, items,
-                                                               prev_ids)
-            self._inflight = (plan.seqs, next_ids)
-            self.num_steps += 1
-            self.store.prefetch([s.adapter for s in list(self.scheduler.waiting)[: self.ecfg.max_prefill_seqs]
-                                 if s.adapter is not None])
-        if previous is not None:
-            outputs += self._drain(*previous)
+        try:
+            if plan is not None:
+                items = [self._item(seq, plan.kind) for seq in plan.seqs]
+                if plan.kind == "prefill":
+                    next_ids, self.pool.array = self.runner.prefill(self.params, self.pool.array, self.pool.table,
+                                                                    items)
+                else:
+                    prev_ids = previous[1] if previous is not None else None
+                    next_ids, self.pool.array = self.runner.decode(self.params, self.pool.array, self.pool.table,
+                                                                   items, prev_ids)
+                self._inflight = (plan.seqs, next_ids)
+                self.num_steps += 1
+                self.store.prefetch([s.adapter for s in list(self.scheduler.waiting)[: self.ecfg.max_prefill_seqs]
+                                     if s.adapter is not None])
+        finally:
+            # the previous step's tokens are delivered (callbacks too) even if dispatching this one failed
+            if previous is not None:
+                outputs += self._drain(*previous)
         if plan is not None:
             for row, seq in enumerate(plan.seqs):
                 seq.inflight = row
