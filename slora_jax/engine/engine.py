@@ -56,7 +56,8 @@ class Engine:
         self.warm_compiles: int | None = None
         self.num_steps = 0
         self.last_plan = None  # what the last step ran (benchmarks read it)
-        self._inflight: tuple[list[Sequence], jax.Array] | None = None  # dispatched, tokens not read yet
+        # dispatched, tokens not read yet: (sequences, their rows in the output, token ids on the device)
+        self._inflight: tuple[list[Sequence], list[int], jax.Array] | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, ecfg: EngineConfig, adapters: dict[str, str | Path] | None = None,
@@ -129,41 +130,48 @@ class Engine:
         plan = self.scheduler.schedule()
         outputs += [self._finish(seq, "error", error) for seq, error in self.scheduler.take_failed()]
         self.last_plan = plan
-        previous, self._inflight = self._inflight, None
-        try:
-            if plan is not None:
-                items = [self._item(seq, plan.kind) for seq in plan.seqs]
-                if plan.kind == "prefill":
-                    next_ids, self.pool.array = self.runner.prefill(self.params, self.pool.array, self.pool.table,
-                                                                    items)
-                else:
-                    prev_ids = previous[1] if previous is not None else None
-                    next_ids, self.pool.array = self.runner.decode(self.params, self.pool.array, self.pool.table,
-                                                                   items, prev_ids)
-                self._inflight = (plan.seqs, next_ids)
-                self.num_steps += 1
-                self.store.prefetch([s.adapter for s in list(self.scheduler.waiting)[: self.ecfg.max_prefill_seqs]
-                                     if s.adapter is not None])
-        finally:
-            # the previous step's tokens are delivered (callbacks too) even if dispatching this one failed
-            if previous is not None:
-                outputs += self._drain(*previous)
+        previous = self._inflight
+        if plan is not None:
+            items = [self._item(seq, plan.kind) for seq in plan.seqs]
+            if plan.kind == "prefill":
+                next_ids, self.pool.array = self.runner.prefill(self.params, self.pool.array, self.pool.table, items)
+            else:
+                prev_ids = previous[2] if previous is not None else None
+                next_ids, self.pool.array = self.runner.decode(self.params, self.pool.array, self.pool.table, items,
+                                                               prev_ids)
+            self.num_steps += 1
+        # dispatched (or nothing to run): the new step's tokens are now the ones on the device
+        self._inflight = None
+        if previous is not None:
+            for seq in previous[0]:
+                seq.inflight = -1
         if plan is not None:
             for row, seq in enumerate(plan.seqs):
                 seq.inflight = row
+            self._inflight = (plan.seqs, list(range(len(plan.seqs))), next_ids)
+            self.store.prefetch([s.adapter for s in list(self.scheduler.waiting)[: self.ecfg.max_prefill_seqs]
+                                 if s.adapter is not None])
+        if previous is not None:
+            outputs += self._drain(*previous)
         return outputs
 
-    def _drain(self, seqs: list[Sequence], next_ids: jax.Array) -> list[RequestOutput]:
-        """Read a finished step's tokens and append them (sequences ended meanwhile drop theirs)."""
+    def _drain(self, seqs: list[Sequence], rows: list[int], next_ids: jax.Array) -> list[RequestOutput]:
+        """Read a dispatched step's tokens and append them (sequences ended meanwhile drop theirs). Every token is
+        appended even if a callback raises; the first callback error is raised at the end."""
         tokens = np.asarray(next_ids)
         now = time.monotonic()
-        outputs = []
-        for seq in seqs:
-            row, seq.inflight = seq.inflight, -1
-            if seq.status == Status.FINISHED or row < 0:
+        outputs, error = [], None
+        for seq, row in zip(seqs, rows, strict=True):
+            if seq.status == Status.FINISHED:
                 continue
-            seq.num_cached = seq.num_tokens
-            outputs.append(self._append(seq, int(tokens[row]), now))
+            if seq.status == Status.RUNNING:
+                seq.num_cached = len(seq.prompt_ids) + len(seq.output_ids)  # K/V this step wrote
+            try:
+                outputs.append(self._append(seq, int(tokens[row]), now))
+            except Exception as e:  # noqa: BLE001 - a caller's callback; the other sequences must still advance
+                error = error or e
+        if error is not None:
+            raise error
         return outputs
 
     def _item(self, seq: Sequence, kind: str) -> StepItem:
@@ -187,14 +195,15 @@ class Engine:
             seq.detok.add([token])
             if seq.detok.stopped:
                 reason = "stop"
-        if reason is None and (len(seq.output_ids) >= sp.max_tokens or seq.num_tokens >= self.ecfg.max_model_len):
+        known = len(seq.prompt_ids) + len(seq.output_ids)
+        if reason is None and (len(seq.output_ids) >= sp.max_tokens or known >= self.ecfg.max_model_len):
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
         text = seq.detok.take(final=reason is not None) if seq.detok is not None else ""
         out = RequestOutput(seq.request_id, [token], reason is not None, reason, text=text)
         if seq.on_output is not None:
-            seq.on_output(out)
+            seq.on_output(out)  # may raise: the token is already appended
         return out
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
@@ -223,25 +232,29 @@ class Engine:
         ids = [self.add_request(p, a, s) for p, a, s in zip(prompts, adapters, samplings, strict=True)]
         while self.has_unfinished():
             self.step()
-        for rid in ids:
-            seq = self.requests[rid]
+        seqs = [self.requests.pop(rid) for rid in ids]
+        for seq in seqs:
             if seq.finish_reason == "error":
                 raise AdapterError(seq.adapter or "?", seq.error or "failed")
-        return [self.requests.pop(rid).output_ids for rid in ids]
+        return [seq.output_ids for seq in seqs]
 
     def stream(self, prompt_ids: list[int], adapter: str | None = None,
                sampling: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Run one request to the end (driving the engine), yielding its outputs as they come."""
         got: list[RequestOutput] = []
         rid = self.add_request(prompt_ids, adapter, sampling, on_output=got.append)
-        while True:
-            self.step()
-            while got:
-                out = got.pop(0)
-                yield out
-                if out.finished:
-                    self.requests.pop(rid, None)
-                    return
+        finished = False
+        try:
+            while not finished:
+                self.step()
+                while got and not finished:
+                    out = got.pop(0)
+                    finished = out.finished
+                    yield out
+        finally:
+            if not finished:  # the consumer stopped early: free the request's pages and adapter pin
+                self.abort(rid)
+            self.requests.pop(rid, None)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (servers call this once its output is delivered)."""

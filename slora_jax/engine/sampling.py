@@ -67,7 +67,7 @@ def sampling_arrays(params: list[SamplingParams | None], seeds: list[int], count
         if p is None:
             continue
         temp[i], top_k[i], top_p[i] = p.temperature, max(p.top_k, 0), p.top_p
-        seed[i], counter[i] = seeds[i] & 0xFFFFFFFF, counters[i]
+        seed[i], counter[i] = (seeds[i] ^ (seeds[i] >> 32)) & 0xFFFFFFFF, counters[i]  # 64-bit seeds: fold the top
     return dict(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, counter=counter)
 
 

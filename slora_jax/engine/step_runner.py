@@ -52,7 +52,8 @@ class StepRunner:
                     lora_block_t=ecfg.lora_block_t, attn_block_q=ecfg.attn_block_q, interpret=interpret)
         self.prefill_spec = PagedSpec(mode="prefill", **spec)
         self.decode_spec = PagedSpec(mode="decode", **spec)
-        self.out_rows = max(ecfg.max_batch_size, ecfg.max_prefill_seqs)  # every step returns this many token ids
+        # every step returns this many token ids (a decode bucket may exceed max_batch_size)
+        self.out_rows = max(max(ecfg.decode_buckets), ecfg.max_prefill_seqs)
         self._prefill = jax.jit(functools.partial(_step, cfg, self.prefill_spec, self.out_rows), donate_argnums=(1,))
         self._decode = jax.jit(functools.partial(_step, cfg, self.decode_spec, self.out_rows), donate_argnums=(1,))
         self._no_prev = jnp.zeros(self.out_rows, jnp.int32)

@@ -1,0 +1,351 @@
+"""Edge cases of the engine's host/device overlap: a step's tokens are read back only after the next step is queued.
+
+Every request here is checked against the same request run alone (or against HF PEFT for greedy decoding), and the
+page books and adapter pins are audited after every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hf_reference import hf_generate
+
+from slora_jax.engine.config import EngineConfig
+from slora_jax.engine.engine import Engine
+from slora_jax.engine.sampling import SamplingParams
+from slora_jax.engine.sequence import Status
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+ADAPTERS = ("r4-qkvo", "r8-all7")
+
+BIG = EngineConfig(max_batch_size=8, max_prefill_tokens=64, max_prefill_seqs=4, max_model_len=48, page_size=4,
+                   max_lora_rank=32, max_loras=3, num_pages=256, dtype="float32", backend="reference")
+# KV for about two full sequences: running several forces preemption by recompute.
+TIGHT = EngineConfig(max_batch_size=8, max_prefill_tokens=64, max_prefill_seqs=8, max_model_len=48, page_size=4,
+                     max_lora_rank=32, max_loras=2, num_pages=40, dtype="float32", backend="reference")
+
+
+class CharTokenizer:
+    """Each id decodes to ``<id>``: stop strings can name one token's text exactly."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{int(i)}>" for i in ids)
+
+
+def _make(tiny_dir, adapter_dirs, ecfg):
+    return Engine.from_model_dir(tiny_dir, ecfg, adapters={a: adapter_dirs[a] for a in ADAPTERS},
+                                 tokenizer=CharTokenizer(), progress=False)
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_dir, adapter_dirs):
+    return _make(tiny_dir, adapter_dirs, BIG)
+
+
+@pytest.fixture(scope="module")
+def tight(tiny_dir, adapter_dirs):
+    return _make(tiny_dir, adapter_dirs, TIGHT)
+
+
+def _prompt(rng, vocab, lo=3, hi=14):
+    return [int(t) for t in rng.integers(3, vocab, size=int(rng.integers(lo, hi)))]
+
+
+def _alone(engine, prompt, adapter, sp):
+    return engine.generate([prompt], [adapter], sp)[0]
+
+
+def _audit(engine):
+    """Page books balance, live sequences hold disjoint KV pages that they own, pins match running sequences."""
+    alloc = engine.pool.allocator
+    alloc.check_invariants()
+    seen: set[int] = set()
+    for seq in engine.requests.values():
+        if seq.status == Status.FINISHED or seq.status == Status.WAITING:
+            assert not seq.kv_pages, (seq.request_id, seq.status, seq.kv_pages)
+            continue
+        assert not seen & set(seq.kv_pages), "a KV page is held by two sequences"
+        seen |= set(seq.kv_pages)
+        for p in seq.kv_pages:
+            assert alloc.owner_of(p) == ("kv", seq.request_id)
+    assert engine.pool.stats()["pages_kv"] == len(seen)
+    pins: dict[str, int] = {}
+    for seq in engine.scheduler.running:
+        if seq.adapter is not None:
+            pins[seq.adapter] = pins.get(seq.adapter, 0) + 1
+    for name in ADAPTERS:
+        assert engine.store.pin_count(name) == pins.get(name, 0), name
+    engine.stats()  # live KV tokens must fit the KV pages
+
+
+def _drive(engine, schedule=None, aborts=None, max_steps=400):
+    """Step until idle, adding ``schedule[step]`` requests and aborting ``aborts[step]`` ids before that step.
+
+    Returns (emitted tokens per id, final outputs per id, request tuples per id). Checks that nothing is emitted after
+    a request's final output and that every request gets exactly one final output.
+    """
+    schedule, aborts = dict(schedule or {}), dict(aborts or {})
+    tokens: dict[str, list[int]] = {}
+    finals: dict[str, object] = {}
+    texts: dict[str, str] = {}
+    reqs: dict[str, tuple] = {}
+    step = 0
+    while schedule or aborts or engine.has_unfinished():
+        assert step < max_steps, "the engine does not terminate"
+        for prompt, adapter, sp, rid in schedule.pop(step, []):
+            engine.add_request(prompt, adapter, sp, request_id=rid)
+            reqs[rid] = (prompt, adapter, sp)
+            tokens[rid] = []
+        for rid in aborts.pop(step, []):
+            assert engine.abort(rid), rid
+            finals[rid] = "abort"
+        for out in engine.step():
+            assert out.request_id not in finals, f"output after the final one: {out}"
+            tokens[out.request_id].extend(out.new_token_ids)
+            texts[out.request_id] = texts.get(out.request_id, "") + out.text
+            if out.finished:
+                finals[out.request_id] = out
+        _audit(engine)
+        step += 1
+    assert set(finals) == set(reqs), "a request never got its final output"
+    assert engine.pool.stats()["pages_kv"] == 0
+    assert all(engine.store.pin_count(a) == 0 for a in ADAPTERS)
+    for rid in reqs:
+        if finals[rid] != "abort":
+            assert tokens[rid] == engine.requests[rid].output_ids
+        engine.release(rid)
+    return tokens, finals, reqs, texts
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def test_staggered_prefill_and_decode_interleave_match_alone(eng, tiny_dir, adapter_dirs):
+    """Prefills land while decodes are in flight and vice versa; seeded sampling equals the request run alone."""
+    rng = np.random.default_rng(0)
+    vocab = eng.cfg.vocab_size
+    names = [*ADAPTERS, None]
+    schedule: dict[int, list] = {}
+    for i in range(10):
+        sp = (SamplingParams(max_tokens=int(rng.integers(1, 12)), **GREEDY) if i % 3 == 0 else
+              SamplingParams(max_tokens=int(rng.integers(1, 12)), temperature=1.3, top_k=int(rng.choice([0, 7])),
+                             seed=100 + i, ignore_eos=True))
+        schedule.setdefault(int(rng.integers(0, 9)), []).append((_prompt(rng, vocab), names[i % 3], sp, f"s{i}"))
+    tokens, finals, reqs, _ = _drive(eng, schedule)
+    for rid, (prompt, adapter, sp) in reqs.items():
+        assert len(tokens[rid]) == sp.max_tokens and finals[rid].finish_reason == "length"
+        assert tokens[rid] == _alone(eng, prompt, adapter, sp), rid
+        if sp.temperature == 0 and rid == "s0":
+            assert tokens[rid] == hf_generate(tiny_dir, prompt, sp.max_tokens, adapter_dirs.get(adapter))
+
+
+@pytest.mark.parametrize("when", [1, 2, 4])
+def test_abort_with_token_in_flight(eng, when):
+    """Abort right after the prefill (its token in flight), after the first decode, later: nothing more is emitted,
+    pages and pins are returned once, and the other requests are unaffected."""
+    rng = np.random.default_rng(when)
+    vocab = eng.cfg.vocab_size
+    sp = SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)
+    jobs = [(_prompt(rng, vocab), a, sp, f"a{when}-{i}") for i, a in enumerate([*ADAPTERS, None])]
+    tokens, finals, reqs, _ = _drive(eng, {0: jobs}, aborts={when: [f"a{when}-0"]})
+    assert finals[f"a{when}-0"] == "abort"
+    assert len(tokens[f"a{when}-0"]) == when - 1  # one token per step drained before the abort
+    for rid, (prompt, adapter, sp_) in reqs.items():
+        if rid != f"a{when}-0":
+            assert tokens[rid] == _alone(eng, prompt, adapter, sp_)
+
+
+def test_abort_after_the_step_that_finished_the_request(eng):
+    rng = np.random.default_rng(3)
+    rid = eng.add_request(_prompt(rng, eng.cfg.vocab_size), None, SamplingParams(max_tokens=1, **GREEDY))
+    outs = eng.step()  # prefill dispatched; nothing read yet
+    assert outs == [] and eng.has_unfinished()
+    outs = eng.step()  # no plan (max_tokens reached): drains
+    assert [o.finished for o in outs] == [True] and not eng.has_unfinished()
+    assert not eng.abort(rid)
+    eng.release(rid)
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+def test_stop_token_with_token_in_flight_is_not_overrun(eng, k):
+    """The stop token is the k-th token (k=0: the prefill's); the extra token computed meanwhile is never emitted."""
+    rng = np.random.default_rng(10 + k)
+    vocab = eng.cfg.vocab_size
+    prompt = _prompt(rng, vocab)
+    free = _alone(eng, prompt, "r8-all7", SamplingParams(max_tokens=10, **GREEDY))
+    stop = free[k]
+    sp = SamplingParams(max_tokens=10, stop_token_ids=(stop,), **GREEDY)
+    companion = SamplingParams(max_tokens=10, **GREEDY)  # keeps decode steps going after the stop
+    jobs = [(prompt, "r8-all7", sp, f"t{k}"), (_prompt(rng, vocab), None, companion, f"c{k}")]
+    tokens, finals, reqs, _ = _drive(eng, {0: jobs})
+    assert tokens[f"t{k}"] == free[: free.index(stop) + 1]
+    assert finals[f"t{k}"].finish_reason == "stop"
+    assert len(tokens[f"c{k}"]) == 10
+
+
+def test_eos_with_token_in_flight(eng):
+    rng = np.random.default_rng(21)
+    prompt = _prompt(rng, eng.cfg.vocab_size)
+    free = _alone(eng, prompt, None, SamplingParams(max_tokens=10, **GREEDY))
+    try:
+        eng.cfg = dataclasses.replace(eos_cfg := eng.cfg, eos_token_id=(free[3],))
+        tokens, finals, _, _ = _drive(eng, {0: [(prompt, None, SamplingParams(max_tokens=10, temperature=0.0),
+                                                 "eos")]})
+    finally:
+        eng.cfg = eos_cfg
+    assert tokens["eos"] == free[: free.index(free[3]) + 1]
+    assert finals["eos"].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_stop_string_with_token_in_flight(eng, k):
+    rng = np.random.default_rng(30 + k)
+    prompt = _prompt(rng, eng.cfg.vocab_size)
+    free = _alone(eng, prompt, "r4-qkvo", SamplingParams(max_tokens=10, **GREEDY))
+    cut = free.index(free[k])
+    sp = SamplingParams(max_tokens=10, stop=(f"<{free[k]}>",), **GREEDY)
+    tokens, finals, _, texts = _drive(eng, {0: [(prompt, "r4-qkvo", sp, f"ss{k}")]})
+    assert tokens[f"ss{k}"] == free[: cut + 1]
+    assert texts[f"ss{k}"] == "".join(f"<{t}>" for t in free[:cut])
+    assert finals[f"ss{k}"].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5])
+def test_context_limit_exactly_reached(eng, max_tokens):
+    """prompt + max_tokens == max_model_len, alongside a short request: exactly max_tokens, reason "length"."""
+    rng = np.random.default_rng(40 + max_tokens)
+    vocab = eng.cfg.vocab_size
+    long_prompt = _prompt(rng, vocab, BIG.max_model_len - max_tokens, BIG.max_model_len - max_tokens + 1)
+    sp = SamplingParams(max_tokens=max_tokens, **GREEDY)
+    jobs = [(long_prompt, "r4-qkvo", sp, f"L{max_tokens}"),
+            (_prompt(rng, vocab), None, SamplingParams(max_tokens=7, **GREEDY), f"S{max_tokens}")]
+    tokens, finals, reqs, _ = _drive(eng, {0: jobs[:1], 1: jobs[1:]})
+    assert len(tokens[f"L{max_tokens}"]) == max_tokens
+    assert finals[f"L{max_tokens}"].finish_reason == "length"
+    for rid, (prompt, adapter, sp_) in reqs.items():
+        assert tokens[rid] == _alone(eng, prompt, adapter, sp_)
+    with pytest.raises(ValueError):
+        eng.add_request(long_prompt + [5], None, sp)
+
+
+def test_preemption_with_tokens_in_flight_keeps_seeded_tokens(tight, eng):
+    """A tight pool preempts sequences whose last token is still on the device: their recompute prefill must see it,
+    and seeded sampling must give the very tokens of the request run alone on a roomy engine."""
+    rng = np.random.default_rng(50)
+    vocab = tight.cfg.vocab_size
+    victims_in_flight = []
+    preempt = tight.scheduler.preempt
+
+    def spy(seq):
+        victims_in_flight.append(seq.inflight >= 0)
+        preempt(seq)
+
+    tight.scheduler.preempt = spy
+    try:
+        jobs = []
+        for i in range(6):
+            sp = SamplingParams(max_tokens=int(rng.integers(18, 26)), temperature=1.1, top_p=0.95, seed=500 + i,
+                                ignore_eos=True)
+            if i == 4:  # one stops mid-way (on a token it would otherwise sample)
+                alone = _alone(eng, p := _prompt(rng, vocab, 8, 14), None, sp)
+                sp = SamplingParams(max_tokens=sp.max_tokens, temperature=1.1, top_p=0.95, seed=500 + i,
+                                    ignore_eos=True, stop_token_ids=(alone[12],))
+                jobs.append((p, None, sp, f"p{i}"))
+                continue
+            jobs.append((_prompt(rng, vocab, 8, 14), ["r4-qkvo", None][i % 2], sp, f"p{i}"))
+        tokens, finals, reqs, _ = _drive(tight, {0: jobs[:4], 2: jobs[4:]})
+    finally:
+        del tight.scheduler.preempt
+    assert tight.scheduler.num_preemptions > 0 and any(victims_in_flight)
+    for rid, (prompt, adapter, sp) in reqs.items():
+        assert tokens[rid] == _alone(eng, prompt, adapter, sp), rid
+
+
+def test_preemption_greedy_matches_peft(tight, tiny_dir, adapter_dirs):
+    rng = np.random.default_rng(60)
+    vocab = tight.cfg.vocab_size
+    before = tight.scheduler.num_preemptions
+    jobs = [(_prompt(rng, vocab, 10, 16), ["r4-qkvo", None][i % 2], SamplingParams(max_tokens=24, **GREEDY), f"g{i}")
+            for i in range(5)]
+    tokens, _, reqs, _ = _drive(tight, {0: jobs})
+    assert tight.scheduler.num_preemptions > before
+    for rid, (prompt, adapter, sp) in reqs.items():
+        assert tokens[rid] == hf_generate(tiny_dir, prompt, sp.max_tokens, adapter_dirs.get(adapter)), rid
+
+
+def test_stream_and_generate_agree(eng):
+    rng = np.random.default_rng(70)
+    vocab = eng.cfg.vocab_size
+    prompt = _prompt(rng, vocab)
+    sp = SamplingParams(max_tokens=9, temperature=1.0, seed=3, ignore_eos=True)
+    other = eng.add_request(_prompt(rng, vocab), "r8-all7", SamplingParams(max_tokens=30, **GREEDY))
+    eng.step()  # the other request's prefill is in flight when the stream starts
+    outs = list(eng.stream(prompt, "r4-qkvo", sp))
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    assert outs[-1].finish_reason == "length"
+    streamed = [t for o in outs for t in o.new_token_ids]
+    assert streamed == _alone(eng, prompt, "r4-qkvo", sp)  # generate drives the other request to its end too
+    assert eng.requests[other].status == Status.FINISHED and len(eng.requests[other].output_ids) == 30
+    eng.release(other)
+    assert not eng.has_unfinished() and eng.pool.stats()["pages_kv"] == 0
+    assert eng.generate([prompt, prompt], ["r4-qkvo", None], sp)[0] == streamed
+
+
+def test_batch_size_not_a_power_of_two(tiny_dir, adapter_dirs):
+    ecfg = EngineConfig(max_batch_size=6, max_prefill_tokens=64, max_prefill_seqs=2, max_model_len=32, page_size=4,
+                        max_lora_rank=32, max_loras=2, num_pages=128, dtype="float32", backend="reference")
+    engine = _make(tiny_dir, adapter_dirs, ecfg)
+    rng = np.random.default_rng(80)
+    prompts = [_prompt(rng, engine.cfg.vocab_size) for _ in range(6)]
+    outs = engine.generate(prompts, None, SamplingParams(max_tokens=4, **GREEDY))
+    assert [len(o) for o in outs] == [4] * 6
+
+
+def test_raising_callback_does_not_corrupt_other_requests(tiny_dir, adapter_dirs):
+    eng = _make(tiny_dir, adapter_dirs, BIG)  # its own engine: the failure leaves stale state behind
+    rng = np.random.default_rng(90)
+    vocab = eng.cfg.vocab_size
+    sp = SamplingParams(max_tokens=8, **GREEDY)
+    prompts = [_prompt(rng, vocab) for _ in range(3)]
+    expected = [_alone(eng, p, None, sp) for p in prompts]
+    calls = []
+
+    def flaky(out):
+        calls.append(out)
+        if len(calls) == 2:
+            raise RuntimeError("client went away")
+
+    rids = [eng.add_request(p, None, sp, on_output=flaky if i == 0 else None) for i, p in enumerate(prompts)]
+    raised = 0
+    for _ in range(100):
+        if not eng.has_unfinished():
+            break
+        try:
+            eng.step()
+        except RuntimeError:
+            raised += 1
+    assert raised == 1
+    got = [eng.requests.pop(r).output_ids for r in rids]
+    assert got[1:] == expected[1:]
+
+
+def test_abandoned_stream_releases_its_request(eng):
+    rng = np.random.default_rng(95)
+    gen = eng.stream(_prompt(rng, eng.cfg.vocab_size), "r4-qkvo", SamplingParams(max_tokens=20, **GREEDY))
+    next(gen)
+    gen.close()
+    try:
+        assert not eng.has_unfinished()
+        assert eng.pool.stats()["pages_kv"] == 0 and eng.store.pin_count("r4-qkvo") == 0
+    finally:
+        for rid in [r for r, s in eng.requests.items() if s.status != Status.FINISHED]:
+            eng.abort(rid)
+            eng.release(rid)
+
+
+def test_seeds_differing_above_32_bits_differ(eng):
+    rng = np.random.default_rng(96)
+    prompt = _prompt(rng, eng.cfg.vocab_size)
+    a, b = (_alone(eng, prompt, None, SamplingParams(max_tokens=12, temperature=1.5, seed=s, ignore_eos=True))
+            for s in (5, 5 + 2**32))
+    assert a != b
