@@ -135,7 +135,11 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="regex: run only the saturation traces whose name matches")
     ap.add_argument("--latency-s", type=float, default=40.0, help="length of the set-rate latency trace")
     ap.add_argument("--no-latency", action="store_true", help="skip the set-rate latency trace")
+    ap.add_argument("--xla-flag", action="append", default=[],
+                    help="extra XLA flag for this run, e.g. --xla-flag=--xla_gpu_enable_dynamic_slice_fusion=true")
     args = ap.parse_args()
+    if args.xla_flag:  # before JAX creates its backend
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *args.xla_flag]).strip()
     t_start = time.monotonic()
     bw, bw_how = (float("nan"), "cpu") if args.tiny else copy_bandwidth_gbs()
 
@@ -180,8 +184,8 @@ def main() -> None:
     plans = []  # (name, setting, n, targets, rate, num_requests)
     for n in ns:
         plans.append((f"S1-qkvo-n{n}-sat", "S1", n, ATTN, 1000.0, n_req))
-    plans.append((f"S2-qkvo-n{ns[0]}-sat", "S2", ns[0], ATTN, 1000.0, n_req))
-    plans.append((f"S2-qkvo-n{ns[-1]}-sat", "S2", ns[-1], ATTN, 1000.0, n_req))
+    for n in sorted({ns[0], ns[-1]}):
+        plans.append((f"S2-qkvo-n{n}-sat", "S2", n, ATTN, 1000.0, n_req))
     plans.append((f"S1-all7-n{ns[-1]}-sat", "S1", ns[-1], ALL7, 1000.0, n_req))
     if args.only:
         plans = [p for p in plans if re.search(args.only, p[0])]
@@ -241,6 +245,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(), "device": jax.devices()[0].device_kind,
         "jax_version": jax.__version__, "git_commit": git_commit(), "copy_bandwidth_gbs": bw, "copy_how": bw_how,
         "model": "tiny" if args.tiny else "llama-2-7b (random weights)", "engine": vars(ecfg) | {},
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "warmup_s": warm_s, "warmup_compiles": warm_compiles,
         "compiles_after_warmup": engine.compiles_since_warmup(), "results": results,
     }
