@@ -69,6 +69,15 @@ def _vectors(pool_ref, lbase, page, v, mask, page_rows: int, vdim: int):
     return load(pool_ref.at[vec[..., None], lane[(None,) * vec.ndim + (slice(None),)]], mask=mask[..., None], other=0)
 
 
+def _block_module(j, blk_starts, modules, out_vecs):
+    """(index in ``modules``, module id, output vectors) of column block ``j``; blocks of all modules lie end to end
+    and ``blk_starts`` (static) gives each module's first block."""
+    i = jnp.int32(0)
+    for b in blk_starts[1:]:
+        i = i + (j >= b).astype(jnp.int32)
+    return i, _pick(i, modules), _pick(i, out_vecs)
+
+
 def _page_gather(pool_ref, pages_ref, lbase, s, v, mask, page_rows: int, vdim: int):
     """Pool vectors of virtual vectors ``v`` of slot ``s``: ``[*v.shape, V]``; masked entries read zeros."""
     return _vectors(pool_ref, lbase, _pages(pages_ref, s, v, mask, page_rows), v, mask, page_rows, vdim)
@@ -182,11 +191,7 @@ def bgmv_shrink(x: jax.Array, pool: jax.Array, layer, row_slot: jax.Array, table
 def _expand_kernel(layer_ref, lbase_ref, slot_ref, rank_ref, boff_ref, scale_ref, pages_ref, y_ref, pool_ref,
                    base_ref, out_ref, *, modules, out_vecs, col_starts, blk_starts, n_blk, r_blk, page_rows, vdim):
     t, j = pl.program_id(0), pl.program_id(1)
-    i = jnp.int32(0)
-    for b in blk_starts[1:]:
-        i = i + (j >= b).astype(jnp.int32)
-    m = _pick(i, modules)
-    n_out = _pick(i, out_vecs)
+    i, m, n_out = _block_module(j, blk_starts, modules, out_vecs)
     slot = slot_ref[t]
     s = jnp.maximum(slot, 0)
     layer, lbase = layer_ref[0], lbase_ref[0]

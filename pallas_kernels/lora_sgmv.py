@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.lora_bgmv import _pick, bgmv_expand_reference, bgmv_shrink_reference
+from pallas_kernels.lora_bgmv import _block_module, _pick, bgmv_expand_reference, bgmv_shrink_reference
 from pallas_kernels.lora_common import AdapterTable, Tuning, layer_args, next_pow2
 from pallas_kernels.lowering import any_spec, load, pallas_call, resolve_interpret, store
 
@@ -203,11 +203,7 @@ def _expand_kernel(layer_ref, lbase_ref, start_ref, len_ref, slot_ref, rank_ref,
                    y_ref, pool_ref, base_ref, out_ref, *, modules, out_vecs, col_starts, blk_starts, n_blk, block_t,
                    r_blk, max_rank, page_rows, vdim, dot_dtype):
     g, j = pl.program_id(0), pl.program_id(1)
-    i = jnp.int32(0)
-    for b in blk_starts[1:]:
-        i = i + (j >= b).astype(jnp.int32)
-    m = _pick(i, modules)
-    n_out = _pick(i, out_vecs)
+    i, m, n_out = _block_module(j, blk_starts, modules, out_vecs)
     slot, length = slot_ref[g], len_ref[g]
     s = jnp.maximum(slot, 0)
     layer, lbase = layer_ref[0], lbase_ref[0]
