@@ -12,6 +12,7 @@ ignore_eos. Saturation traces send requests faster than the engine serves them; 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -135,6 +136,7 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="regex: run only the saturation traces whose name matches")
     ap.add_argument("--latency-s", type=float, default=40.0, help="length of the set-rate latency trace")
     ap.add_argument("--no-latency", action="store_true", help="skip the set-rate latency trace")
+    ap.add_argument("--layer-loop", default="scan", choices=["scan", "unroll"])
     ap.add_argument("--xla-flag", action="append", default=[],
                     help="extra XLA flag for this run, e.g. --xla-flag=--xla_gpu_enable_dynamic_slice_fusion=true")
     args = ap.parse_args()
@@ -166,8 +168,11 @@ def main() -> None:
                             dtype="bfloat16", backend="pallas", min_prefill_bucket=256, min_decode_bucket=16,
                             lora_block_t=64, attn_block_q=128, host_budget_bytes=64 << 30)
         ns, n_req, in_range = [int(x) for x in args.ns.split(",")], args.requests, (8, 512)
+    ecfg = dataclasses.replace(ecfg, layer_loop=args.layer_loop)
     params = random_params(cfg, dtype)
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) - params["embed"].nbytes
     engine = Engine(cfg, params, ecfg)
+    del params  # the engine holds what it needs (an unrolled loop keeps per-layer copies)
     t = time.monotonic()
     engine.warmup(progress=True)
     warm_s = time.monotonic() - t
@@ -175,7 +180,6 @@ def main() -> None:
     print(f"device {jax.devices()[0].device_kind}  jax {jax.__version__}  copy {bw:.0f} GB/s  warm-up {warm_s:.0f} s "
           f"({warm_compiles} compiles)  pool {engine.pool.stats()['num_pages']} pages", flush=True)
 
-    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) - params["embed"].nbytes
     kv_token_bytes = 2 * cfg.num_hidden_layers * cfg.kv_width * 2
 
     def adapter_bytes(rank, targets):

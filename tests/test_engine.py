@@ -143,3 +143,20 @@ def test_preemption_by_recompute_matches_peft(tiny_dir, adapter_dirs):
     for (adapter, prompt), ours in zip(jobs, outs, strict=True):
         assert ours == hf_generate(tiny_dir, prompt, 28, adapter_dirs["r4-qkvo"] if adapter else None)
     assert eng.pool.stats()["pages_kv"] == 0
+
+
+def test_unrolled_layer_loop_gives_the_same_tokens(tiny_dir, adapter_dirs):
+    """layer_loop="unroll" (per-layer weights) serves exactly what the scanned stack serves."""
+    import dataclasses
+
+    base = EngineConfig(max_batch_size=4, max_prefill_tokens=64, max_prefill_seqs=4, max_model_len=64, page_size=4,
+                        max_lora_rank=32, max_loras=2, num_pages=256, dtype="float32", backend="reference")
+    rng = np.random.default_rng()
+    prompts = [_prompt(rng, 512) for _ in range(3)]
+    adapters = ["r8-all7", None, "r4-qkvo"]
+    outs = []
+    for loop in ("scan", "unroll"):
+        eng = Engine.from_model_dir(tiny_dir, dataclasses.replace(base, layer_loop=loop),
+                                    adapters={k: adapter_dirs[k] for k in ("r8-all7", "r4-qkvo")}, progress=False)
+        outs.append(eng.generate(prompts, adapters, SamplingParams(max_tokens=10, **GREEDY)))
+    assert outs[0] == outs[1]

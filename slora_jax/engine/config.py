@@ -30,6 +30,7 @@ class EngineConfig:
     num_pages: int | None = None  # or an explicit page count (tests)
     dtype: str = "bfloat16"
     backend: str = "pallas"  # "pallas" | "reference"
+    layer_loop: str = "scan"  # "scan" (stacked weights, short compiles) | "unroll" (per-layer weights, no slicing)
     max_waiting: int = 4096  # queue bound: beyond it add_request raises QueueFull
     min_prefill_bucket: int = 16
     min_decode_bucket: int = 1  # smallest decode batch compiled (fewer buckets = shorter warm-up)
@@ -57,6 +58,8 @@ class EngineConfig:
             raise ValueError("page_size must be a power of two")
         if self.max_prefill_tokens < self.max_model_len:
             raise ValueError("max_prefill_tokens must be >= max_model_len (a whole prompt is prefilled in one step)")
+        if self.layer_loop not in ("scan", "unroll"):
+            raise ValueError(f"layer_loop must be 'scan' or 'unroll', got {self.layer_loop!r}")
         if self.pool_bytes is None and self.num_pages is None:
             raise ValueError("set pool_bytes or num_pages")
         return self

@@ -21,6 +21,7 @@ from ..lora.peft import AdapterError
 from ..model.config import ModelConfig
 from ..model.loader import load_params
 from ..model.paged import check_backend
+from ..model.params import unstack_layer_params
 from . import compile_counter
 from .adapter_store import AdapterStore
 from .config import EngineConfig
@@ -40,7 +41,10 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params: dict, ecfg: EngineConfig, tokenizer=None,
                  interpret: bool | None = None):
         compile_counter.install()
-        self.cfg, self.params, self.ecfg = cfg, params, ecfg.validate()
+        self.cfg, self.ecfg = cfg, ecfg.validate()
+        if ecfg.layer_loop == "unroll" and not isinstance(params["layers"], list | tuple):
+            params = dict(params, layers=unstack_layer_params(params["layers"]))
+        self.params = params
         check_backend(ecfg.backend)
         self.tokenizer = tokenizer
         dtype = jnp.dtype(ecfg.dtype)

@@ -77,6 +77,9 @@ def forward(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Ar
             logits_rows: jax.Array | None = None) -> tuple[jax.Array, Any]:
     """Run the model over a flat batch of tokens.
 
+    ``params["layers"]`` is either stacked ({name: array[L, ...]}, run by ``lax.scan``: one compile of the layer
+    whatever the depth) or a list of per-layer dicts (unrolled: longer compiles, no per-step slicing of weights).
+
     tokens, positions: int32 [T]. ``logits_rows`` (int32 [R]) selects the rows whose logits are computed (e.g. the
     last token of each prompt); None computes all. Returns (logits float32 [R or T, vocab], state).
     """
@@ -91,8 +94,12 @@ def forward(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Ar
         x, state = layer_module.apply({"params": layer_params}, x, cos, sin, layer, ops, state)
         return (x, state), None
 
-    layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
-    (x, state), _ = jax.lax.scan(body, (x, state), (params["layers"], layer_ids))
+    if isinstance(params["layers"], list | tuple):  # one set of arrays per layer: unrolled, nothing sliced
+        for i, layer_params in enumerate(params["layers"]):
+            (x, state), _ = body((x, state), (layer_params, jnp.int32(i)))
+    else:
+        layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
+        (x, state), _ = jax.lax.scan(body, (x, state), (params["layers"], layer_ids))
     if logits_rows is not None:
         x = x[logits_rows]
     x = RMSNorm(cfg.rms_norm_eps).apply({"params": params["norm"]}, x)

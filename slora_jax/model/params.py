@@ -17,3 +17,13 @@ def param_bytes(params) -> int:
     if isinstance(params, dict):
         return sum(param_bytes(v) for v in params.values())
     return int(params.size) * params.dtype.itemsize
+
+
+def unstack_layer_params(stacked: dict) -> list[dict]:
+    """{name: array[L, ...]} -> [{name: array[...]}] * L: one set of arrays per layer, for an unrolled layer loop
+    (a scan slices the stacked weights every step, and XLA may copy each slice before its matmul)."""
+    import jax
+
+    leaves, treedef = jax.tree.flatten(stacked)
+    num_layers = leaves[0].shape[0]
+    return [jax.tree.unflatten(treedef, [leaf[i] for leaf in leaves]) for i in range(num_layers)]

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     e.add_argument("--backend", choices=["pallas", "reference"], default=None,
                    help="kernels: pallas (GPU default) or the jnp reference (CPU default)")
+    e.add_argument("--layer-loop", choices=["scan", "unroll"], default="scan",
+                   help="scan: stacked layer weights, short compiles; unroll: per-layer weights, no per-step slicing")
     e.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
                    help="params and pool dtype (auto: bfloat16 on GPU, float32 on CPU)")
     e.add_argument("--no-warmup", action="store_true", help="compile step buckets on first use instead of now")
@@ -138,6 +140,7 @@ def build_server(args: argparse.Namespace):
         max_prefill_tokens=max(args.max_prefill_tokens or max_len, max_len), page_size=args.page_size,
         max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
         pool_bytes=pool_bytes, num_pages=args.num_pages, dtype=dtype, backend=backend, max_waiting=args.max_waiting,
+        layer_loop=args.layer_loop,
         **(GPU_TILES if on_gpu else {}))
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:
