@@ -72,9 +72,11 @@ class Scheduler:
         return Plan("decode", seqs, preempted) if seqs else None
 
     def _decodable(self) -> list[Sequence]:
-        """Running sequences that may still grow (one whose last token is still on the device may be done)."""
-        limit = self.ecfg.max_model_len
-        return [s for s in self.running if not s.length_done and s.num_tokens < limit]
+        return [s for s in self.running if self._can_grow(s)]
+
+    def _can_grow(self, seq: Sequence) -> bool:
+        """May still get a token (one whose last token is still on the device may already be done)."""
+        return not seq.length_done and seq.num_tokens < self.ecfg.max_model_len
 
     def _admit(self) -> list[Sequence]:
         ecfg, page = self.ecfg, self.ecfg.page_size
@@ -133,7 +135,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if seq.length_done or seq.num_tokens >= self.ecfg.max_model_len:
+            if not self._can_grow(seq):
                 i += 1
                 continue
             position = seq.num_tokens - 1  # the token this decode step writes

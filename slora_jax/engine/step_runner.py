@@ -81,11 +81,12 @@ class StepRunner:
             a["context_lens"][i] = it.start + n
             a["logits_rows"][i] = r0 + n - 1
 
-    def build_prefill(self, items: list[StepItem]) -> tuple[StepBatch, SamplingArrays]:
-        """Items should come grouped by adapter (SGMV segments); rows are laid out in the given order."""
+    def build_prefill(self, items: list[StepItem], n_rows: int | None = None) -> tuple[StepBatch, SamplingArrays]:
+        """Items should come grouped by adapter (SGMV segments); rows are laid out in the given order.
+        ``n_rows`` forces a bucket (warm-up); by default the smallest that holds the items."""
         ecfg = self.ecfg
         total = sum(len(it.tokens) for it in items)
-        n_rows, n_seqs = _bucket(total, ecfg.prefill_buckets), ecfg.max_prefill_seqs
+        n_rows, n_seqs = n_rows or _bucket(total, ecfg.prefill_buckets), ecfg.max_prefill_seqs
         if len(items) > n_seqs:
             raise ValueError(f"{len(items)} sequences exceed max_prefill_seqs={n_seqs}")
         a = self._base_arrays(n_rows, n_seqs)
@@ -99,9 +100,10 @@ class StepRunner:
                                            max_prefill_tiles(n_rows, n_seqs, ecfg.attn_block_q))
         return self._finish(a, items, n_seqs)
 
-    def build_decode(self, items: list[StepItem]) -> tuple[StepBatch, SamplingArrays, np.ndarray]:
-        """Also returns ``token_src`` int32[n]: rows whose input token is still on the device (-1 = from the host)."""
-        n = _bucket(len(items), self.ecfg.decode_buckets)
+    def build_decode(self, items: list[StepItem], n: int | None = None) -> tuple[StepBatch, SamplingArrays, np.ndarray]:
+        """Also returns ``token_src`` int32[n]: rows whose input token is still on the device (-1 = from the host).
+        ``n`` forces a bucket (warm-up)."""
+        n = n or _bucket(len(items), self.ecfg.decode_buckets)
         a = self._base_arrays(n, n)
         self._fill(a, items, lambda i: i)
         token_src = np.full(n, -1, np.int32)
@@ -140,20 +142,11 @@ class StepRunner:
         jobs = [("prefill", n) for n in ecfg.prefill_buckets] + [("decode", n) for n in ecfg.decode_buckets]
         for kind, n in tqdm(jobs, desc="compiling step buckets", disable=not progress):
             if kind == "prefill":
-                a = self._base_arrays(n, ecfg.max_prefill_seqs)
-                a["lora_tiles"] = np.zeros((3, self._lora_tiles(n)), np.int32)
-                a["lora_tiles"][0] = n
-                a["q_starts"][:] = 0
-                a["attn_tiles"] = prefill_tile_map(a["q_starts"], a["context_lens"], n, ecfg.attn_block_q,
-                                                   max_prefill_tiles(n, ecfg.max_prefill_seqs, ecfg.attn_block_q))
-                batch, s = self._finish(a, [], ecfg.max_prefill_seqs)
+                batch, s = self.build_prefill([], n_rows=n)
                 tokens, pool = self._prefill(params, pool, table, batch, s, self._no_prev, np.full(n, -1, np.int32))
             else:
-                a = self._base_arrays(n, n)
-                a["lora_tiles"] = np.zeros((3, 1), np.int32)
-                a["attn_tiles"] = np.zeros((1, 4), np.int32)
-                batch, s = self._finish(a, [], n)
-                tokens, pool = self._decode(params, pool, table, batch, s, self._no_prev, np.full(n, -1, np.int32))
+                batch, s, token_src = self.build_decode([], n=n)
+                tokens, pool = self._decode(params, pool, table, batch, s, self._no_prev, token_src)
             tokens.block_until_ready()
         return pool
 
