@@ -32,9 +32,8 @@ from pallas_kernels.lora_common import (
     gather_lora_b,
     layer_args,
     lora_scale,
-    next_pow2,
 )
-from pallas_kernels.lowering import any_spec, load, pallas_call, resolve_interpret, store
+from pallas_kernels.lowering import any_spec, load, next_pow2, pallas_call, resolve_interpret, store
 
 GPU_TILE_ELEMS = 8192  # elements of adapter weights one program loads per loop step
 GPU_TARGET_PROGRAMS = 1024  # ~8 programs per SM on an H100/H200 (132 SMs): enough to hide gather latency

@@ -51,10 +51,6 @@ class Tuning(NamedTuple):
     pipeline: bool | None = None
 
 
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (>= 1): Triton block shapes must be powers of two."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
 
 def layer_args(layer, pool_shape) -> tuple[jax.Array, jax.Array]:
     """(layer, first flat vector of the layer in ``pool.reshape(L * NP * PR, V)``) as int32[1] each (kernel inputs).

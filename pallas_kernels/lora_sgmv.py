@@ -25,8 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.lora_bgmv import _block_module, _pick, bgmv_expand_reference, bgmv_shrink_reference
-from pallas_kernels.lora_common import AdapterTable, Tuning, layer_args, next_pow2
-from pallas_kernels.lowering import any_spec, load, pallas_call, resolve_interpret, store
+from pallas_kernels.lora_common import AdapterTable, Tuning, layer_args
+from pallas_kernels.lowering import any_spec, load, next_pow2, pallas_call, resolve_interpret, store
 
 GPU_TARGET_PROGRAMS = 264  # 2 per SM: prefill programs are long (they stream block_t rows of x)
 GPU_WARPS = 8  # fewer registers per thread than 4 warps for these tile shapes (no spills at rank 64)

@@ -51,6 +51,15 @@ def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, interpret=None,
     )
 
 
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (>= 1): Triton block shapes must be powers of two."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def any_spec() -> pl.BlockSpec:
     """A whole-array operand the kernel indexes itself (gathers, page tables)."""
     return pl.BlockSpec(memory_space=pl.ANY)

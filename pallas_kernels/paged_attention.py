@@ -20,21 +20,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kv_cache import check_pool_layout, gather_kv_reference
-from pallas_kernels.lowering import any_spec, load, pallas_call, store
+from pallas_kernels.lowering import any_spec, is_pow2, load, next_pow2, pallas_call, store
 
 MASK_VALUE = -1e30  # finite, so fully masked rows never compute inf - inf
 LOG2E = math.log2(math.e)
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
 TARGET_PROGRAMS = 512  # about four programs per SM on an H200 (132 SMs)
 MIN_BLOCKS_PER_SPLIT = 4
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def default_pages_per_block(page_size: int) -> int:
@@ -156,14 +148,14 @@ def paged_decode_attention(q: jax.Array, pool: jax.Array, layer: jax.Array, page
     check_pool_layout(pool, num_kv_heads, page_size, head_dim)
     if num_heads % num_kv_heads:
         raise ValueError(f"n_heads {num_heads} is not a multiple of n_kv {num_kv_heads}")
-    if not (_is_pow2(page_size) and _is_pow2(head_dim)):
+    if not (is_pow2(page_size) and is_pow2(head_dim)):
         raise ValueError(f"page_size {page_size} and head_dim {head_dim} must be powers of two")
     if num_layers * num_pages * page_rows >= 2**31:
         raise ValueError("pool has too many rows for int32 row indices")
     max_pages = page_table.shape[1]
     pages_per_block = pages_per_block or default_pages_per_block(page_size)
     block_k = pages_per_block * page_size
-    if not _is_pow2(block_k) or block_k < MIN_DOT_ROWS:
+    if not is_pow2(block_k) or block_k < MIN_DOT_ROWS:
         raise ValueError(f"pages_per_block * page_size = {block_k} must be a power of two >= {MIN_DOT_ROWS}")
     max_blocks = -(-max_pages // pages_per_block)
     num_splits = num_splits or default_num_splits(batch, num_kv_heads, max_blocks)

@@ -23,16 +23,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kv_cache import check_pool_layout, gather_kv_reference
-from pallas_kernels.lowering import any_spec, load, pallas_call, store
+from pallas_kernels.lowering import any_spec, is_pow2, load, pallas_call, store
 from pallas_kernels.paged_attention import MASK_VALUE, dot_f32, online_softmax_step
 
 LOG2E = math.log2(math.e)
 NO_POSITION = -(2**30)  # pos_start of tiles that attend to nothing (padding rows, unused tiles)
 TILE_FIELDS = 4  # seq, row_start, row_end, pos_start
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def max_prefill_tiles(num_rows: int, batch: int, block_q: int) -> int:
@@ -205,7 +201,7 @@ def paged_prefill_attention(q: jax.Array, pool: jax.Array, layer: jax.Array, pag
     check_pool_layout(pool, num_kv_heads, page_size, head_dim)
     if num_heads % num_kv_heads:
         raise ValueError(f"n_heads {num_heads} is not a multiple of n_kv {num_kv_heads}")
-    if not all(_is_pow2(n) for n in (head_dim, block_q, block_k)) or min(block_q, block_k) < 16:
+    if not all(is_pow2(n) for n in (head_dim, block_q, block_k)) or min(block_q, block_k) < 16:
         raise ValueError("head_dim, block_q and block_k must be powers of two; blocks at least 16")
     if num_layers * num_pages * page_rows >= 2**31:
         raise ValueError("pool has too many rows for int32 row indices")

@@ -45,12 +45,11 @@ from slora_jax.lora.peft import (
     _pattern_value,
     _targets,
     load_peft_adapter,
-    module_key,
     read_adapter_config,
 )
 from slora_jax.lora.pool_rows import AdapterRows, to_pool_rows
 from slora_jax.lora.weights import LoraAdapter, LoraModule
-from slora_jax.model.config import ATTN_MODULES, MODULE_INDEX, MODULES, ModelConfig
+from slora_jax.model.config import ATTN_MODULES, MODULE_INDEX, MODULES, ModelConfig, module_key
 
 __all__ = [
     "AdapterError",

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.lora_common import AdapterTable, next_pow2
+from pallas_kernels.lora_common import AdapterTable
+from pallas_kernels.lowering import next_pow2
 from slora_jax.engine.page_allocator import ADAPTER, KV, ForeignPage, OutOfPages, PageAllocator, owner_kind
 from slora_jax.lora.pool_rows import AdapterRows
 from slora_jax.model.config import MODULES, ModelConfig

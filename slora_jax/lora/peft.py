@@ -14,11 +14,9 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from ..model.config import MODULES, ModelConfig
+from ..model.config import ATTN_MODULES, MODULES, ModelConfig, module_key
 from .weights import LoraAdapter, LoraModule
 
-_MODULE_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                  "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
 _KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight$"
@@ -32,11 +30,6 @@ class AdapterError(ValueError):
         super().__init__(f"adapter {name!r}: {reason}")
         self.adapter = name
         self.reason = reason
-
-
-def module_key(layer: int, module: str) -> str:
-    """The module name PEFT matches patterns against, e.g. ``model.layers.3.self_attn.q_proj``."""
-    return f"model.layers.{layer}.{_MODULE_PARENT[module]}.{module}"
 
 
 def _pattern_value(patterns: dict, key: str, default):
@@ -145,7 +138,7 @@ def load_peft_adapter(path: str | Path, model: ModelConfig, name: str | None = N
                 raise AdapterError(name, f"DoRA weights are not supported ({key})")
             raise AdapterError(name, f"unexpected tensor {key!r}")
         layer, parent, module, which = int(match[1]), match[2], match[3], match[4]
-        if module not in MODULES or _MODULE_PARENT[module] != parent:
+        if module not in MODULES or (parent == "self_attn") != (module in ATTN_MODULES):
             raise AdapterError(name, f"unknown target module in tensor {key!r}")
         if layer >= model.num_hidden_layers:
             raise AdapterError(name, f"tensor {key!r} is for layer {layer}; the model has {model.num_hidden_layers}")

@@ -12,6 +12,11 @@ MODULE_INDEX = {name: i for i, name in enumerate(MODULES)}
 ATTN_MODULES = MODULES[:4]
 
 
+def module_key(layer: int, module: str) -> str:
+    """A projection's HF module name, e.g. ``model.layers.3.self_attn.q_proj`` (what PEFT patterns match)."""
+    return f"model.layers.{layer}.{'self_attn' if module in ATTN_MODULES else 'mlp'}.{module}"
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Llama 3 style frequency scaling (``rope_type == "llama3"``)."""

@@ -10,7 +10,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm import tqdm
 
-from .config import ModelConfig
+from .config import MODULES, ModelConfig, module_key
 from .params import stack_layer_params
 
 
@@ -57,15 +57,16 @@ def params_from_hf(cfg: ModelConfig, hf: dict[str, np.ndarray], dtype) -> dict:
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        qkv = np.concatenate([take(p + f"self_attn.{m}.weight").T for m in ("q_proj", "k_proj", "v_proj")], axis=1)
-        gate_up = np.concatenate([take(p + f"mlp.{m}.weight").T for m in ("gate_proj", "up_proj")], axis=1)
+        w = {m: take(f"{module_key(i, m)}.weight").T for m in MODULES}
+        qkv = np.concatenate([w["q_proj"], w["k_proj"], w["v_proj"]], axis=1)
+        gate_up = np.concatenate([w["gate_proj"], w["up_proj"]], axis=1)
         layers.append({
             "input_layernorm": {"weight": take(p + "input_layernorm.weight")},
             "qkv_proj": {"kernel": qkv},
-            "o_proj": {"kernel": take(p + "self_attn.o_proj.weight").T},
+            "o_proj": {"kernel": w["o_proj"]},
             "post_attention_layernorm": {"weight": take(p + "post_attention_layernorm.weight")},
             "gate_up_proj": {"kernel": gate_up},
-            "down_proj": {"kernel": take(p + "mlp.down_proj.weight").T},
+            "down_proj": {"kernel": w["down_proj"]},
         })
     embed = take("model.embed_tokens.weight")
     if cfg.tie_word_embeddings or "lm_head.weight" not in hf:

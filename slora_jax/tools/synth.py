@@ -17,11 +17,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from ..model.config import MODULES, ModelConfig
+from ..model.config import MODULES, ModelConfig, module_key
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 def preset_config(name: str) -> dict:
@@ -49,7 +47,7 @@ def random_hf_tensors(cfg: ModelConfig, seed: int, dtype=np.float32) -> dict[str
         p = f"model.layers.{i}."
         for m in MODULES:
             d_in, d_out = cfg.module_dims(m)
-            t[f"{p}{_PARENT[m]}.{m}.weight"] = lin(d_out, d_in)
+            t[f"{module_key(i, m)}.weight"] = lin(d_out, d_in)
         t[p + "input_layernorm.weight"] = norm(cfg.hidden_size)
         t[p + "post_attention_layernorm.weight"] = norm(cfg.hidden_size)
     if not cfg.tie_word_embeddings:
@@ -96,7 +94,7 @@ def write_adapter(out: str | Path, model: ModelConfig, rank: int = 8, alpha: flo
                   layers_to_transform: list[int] | None = None, strength: float = 0.3,
                   extra_config: dict | None = None) -> Path:
     """A random PEFT LoRA dir (B non-zero, unlike PEFT's init, so the adapter changes the output)."""
-    from ..lora.peft import _pattern_value, module_key  # the same pattern rules the reader uses
+    from ..lora.peft import _pattern_value  # the same pattern rules the reader uses
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
