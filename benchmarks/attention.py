@@ -23,64 +23,15 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
-from common import git_commit
+from common import device_ceilings, git_commit
 
 DECODE_CHAIN = 10  # decode calls per jit for ms_in_jit
 WARMUP_S = 0.1  # seconds of back-to-back calls before each timing
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported anywhere
-
-COPY_PROBE = r"""
-import json, sys, time
-out = {}
-try:
-    import torch
-    assert torch.cuda.is_available(), "torch has no CUDA"
-    n = int(sys.argv[1]) // 2
-    a = torch.randn(n, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    def timed(fn, reps):
-        fn(); torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        best = []
-        for _ in range(5):
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record(); torch.cuda.synchronize()
-            best.append(start.elapsed_time(end) / 1e3 / reps)
-        return sorted(best)[len(best) // 2]
-    t = timed(lambda: b.copy_(a), 10)
-    out["copy_gbps"] = 2 * a.numel() * 2 / t / 1e9
-    out["copy_source"] = "torch b.copy_(a), %d MiB bf16, read+write" % (a.numel() * 2 >> 20)
-    del a, b
-    m = int(sys.argv[2])
-    x = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-    y = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-    t = timed(lambda: x @ y, 10)
-    out["matmul_tflops"] = 2 * m**3 / t / 1e12
-    out["matmul_source"] = "torch bf16 %d^3" % m
-    out["torch"] = torch.__version__
-except Exception as exc:  # noqa: BLE001
-    out["error"] = repr(exc)
-print("PROBE" + json.dumps(out))
-"""
-
-
-def probe_with_torch(copy_bytes: int, matmul_n: int) -> dict:
-    """Copy bandwidth and matmul rate from torch in a child process, so jax has not claimed the GPU yet."""
-    try:
-        proc = subprocess.run([sys.executable, "-c", COPY_PROBE, str(copy_bytes), str(matmul_n)], capture_output=True,
-                              text=True, timeout=180)
-        line = next(x for x in proc.stdout.splitlines() if x.startswith("PROBE"))
-        return json.loads(line[len("PROBE"):])
-    except Exception as exc:  # noqa: BLE001
-        return {"error": repr(exc)}
-
 
 # jax is imported only after the torch probe has run (see main()).
 jax = jnp = np = None
@@ -461,7 +412,7 @@ def main() -> None:
     deadline = Deadline(args.budget_s)
     setup = make_setup(args.tiny)
 
-    probe = {} if args.tiny else probe_with_torch(setup.copy_bytes, setup.matmul_n)
+    probe = {} if args.tiny else device_ceilings(setup.copy_bytes, setup.matmul_n)
     import_jax()
     from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
     from pallas_kernels.prefill_attention import (

@@ -22,50 +22,18 @@ import concurrent.futures
 import datetime
 import json
 import os
-import subprocess
-import sys
 import time
 
-from common import git_commit
+from common import device_ceilings, git_commit
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-COPY_SRC = r"""
-import json, sys
-try:
-    import torch
-except Exception:
-    print(json.dumps({"ok": False, "why": "no torch"})); sys.exit()
-if not torch.cuda.is_available():
-    print(json.dumps({"ok": False, "why": "no cuda in torch"})); sys.exit()
-n = (2 << 30) // 2
-a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
-b = torch.empty_like(a)
-for _ in range(3):
-    b.copy_(a)
-torch.cuda.synchronize()
-times = []
-for _ in range(10):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(5):
-        b.copy_(a)
-    e.record()
-    e.synchronize()
-    times.append(s.elapsed_time(e) / 5 / 1e3)
-t = sorted(times)[len(times) // 2]
-print(json.dumps({"ok": True, "gbps": 2 * a.numel() * 2 / t / 1e9, "method": "torch copy_ 2GiB bf16 (read+write)",
-                  "device": torch.cuda.get_device_name()}))
-"""
-
-
 def torch_copy_bandwidth() -> dict:
     """Copy bandwidth from torch in a subprocess, before jax holds the GPU (read + write bytes per second)."""
-    try:
-        res = subprocess.run([sys.executable, "-c", COPY_SRC], capture_output=True, text=True, timeout=180)
-        return json.loads(res.stdout.strip().splitlines()[-1])
-    except Exception as e:  # noqa: BLE001 - any failure means "use the jax fallback"
-        return {"ok": False, "why": repr(e)[:200]}
+    probe = device_ceilings()
+    if "copy_gbps" not in probe:
+        return {"ok": False, "why": probe.get("error", "no probe")}
+    return {"ok": True, "gbps": probe["copy_gbps"], "method": probe["copy_source"], "device": probe.get("device")}
 
 
 def parse_args():

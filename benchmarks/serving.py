@@ -17,14 +17,12 @@ import datetime
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 import zlib
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from common import git_commit  # noqa: E402
+from common import device_ceilings, git_commit  # noqa: E402
 from workload import make_trace  # noqa: E402
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -33,16 +31,8 @@ ALL7 = ATTN + ("gate_proj", "up_proj", "down_proj")
 
 def copy_bandwidth_gbs() -> tuple[float, str]:
     """Device copy bandwidth (read + write) from torch in a subprocess before JAX takes the GPU."""
-    code = ("import torch,time;a=torch.randn(2**30,dtype=torch.bfloat16,device='cuda');b=torch.empty_like(a)\n"
-            "for _ in range(3): b.copy_(a)\n"
-            "torch.cuda.synchronize();s=torch.cuda.Event(enable_timing=True);e=torch.cuda.Event(enable_timing=True)\n"
-            "s.record()\nfor _ in range(20): b.copy_(a)\n"
-            "e.record();torch.cuda.synchronize();print(2*a.numel()*2*20/(s.elapsed_time(e)/1e3)/1e9)")
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-        return float(out.stdout.strip().splitlines()[-1]), "torch copy_ 2 GiB bf16 (read+write)"
-    except Exception:  # noqa: BLE001
-        return float("nan"), "unavailable"
+    probe = device_ceilings()
+    return probe.get("copy_gbps", float("nan")), probe.get("copy_source", probe.get("error", "unavailable"))
 
 
 def random_params(cfg, dtype, seed=0):
