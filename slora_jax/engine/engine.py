@@ -9,6 +9,7 @@ while the device works -> append tokens, stop, free. Usable offline in a few lin
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -153,8 +154,8 @@ class Engine:
             for row, seq in enumerate(plan.seqs):
                 seq.inflight = row
             self._inflight = (plan.seqs, list(range(len(plan.seqs))), next_ids)
-            self.store.prefetch([s.adapter for s in list(self.scheduler.waiting)[: self.ecfg.max_prefill_seqs]
-                                 if s.adapter is not None])
+            head = itertools.islice(self.scheduler.waiting, self.ecfg.max_prefill_seqs)
+            self.store.prefetch([s.adapter for s in head if s.adapter is not None])
         if previous is not None:
             outputs += self._drain(*previous)
         return outputs
