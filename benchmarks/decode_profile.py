@@ -1,0 +1,213 @@
+"""Where does a decode step's time go? One Llama-2-7B decode step at a set batch and context, timed and profiled.
+
+    PYTHONPATH=.:benchmarks python benchmarks/decode_profile.py --batch 64 --ctx 448 --layer-loop scan
+    PYTHONPATH=.:benchmarks python benchmarks/decode_profile.py --tiny      # CPU smoke run
+
+Times the engine's jitted decode step (pool donated, batch already on the device, calls chained as in serving)
+with and without LoRA, prints the step's floor (weights + KV + adapter rows over the copy bandwidth) and, from a
+``jax.profiler`` trace, the device time per kernel grouped into GEMMs, our Pallas kernels, XLA fusions and copies.
+One variant per process, because XLA flags are read once: run it once per ``--layer-loop`` / ``--xla-flag``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import tempfile
+import time
+import zlib
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+from common import device_ceilings, git_commit  # noqa: E402
+
+CATEGORIES = (  # first match wins; names are lower-cased kernel names from the device trace
+    ("lora", r"bgmv|sgmv|shrink|expand"),
+    ("attention", r"paged|decode_attn|attention|write_kv|combine"),
+    ("gemm", r"gemm|cublas|cutlass|xmma|nvjet|matmul|dot"),
+    ("copy", r"copy|memcpy|memset|dynamic.slice|dynamic_update"),
+    ("fusion", r"fusion|reduce|concatenate|transpose|slice|select|gather|scatter"),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, pat in CATEGORIES:
+        if re.search(pat, low):
+            return cat
+    return "other"
+
+
+def device_kernels(trace_dir: str) -> list[tuple[str, float]]:
+    """(kernel name, duration us) of every event on the GPU planes of the newest trace under ``trace_dir``."""
+    from jax.profiler import ProfileData
+
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    if not files:
+        return []
+    out, seen = [], []
+    for plane in ProfileData.from_file(files[-1]).planes:
+        seen.append(f"{plane.name}: {[line.name for line in plane.lines][:12]}")
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "stream" not in line.name.lower():  # kernel lines are per stream; skip XLA-op / module summary lines
+                continue
+            out.extend((ev.name, ev.duration_ns / 1e3) for ev in line.events)
+    if not out:
+        print("no GPU kernels in the trace; planes seen:\n  " + "\n  ".join(seen))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=448, help="tokens in the cache of every sequence")
+    ap.add_argument("--adapters", type=int, default=32, help="distinct adapters in the batch (0 = base only)")
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--all7", action="store_true", help="adapters on all 7 projections (default q,k,v,o)")
+    ap.add_argument("--layer-loop", default="scan", choices=["scan", "unroll"])
+    ap.add_argument("--xla-flag", action="append", default=[])
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", default=None, help="append one JSON line here")
+    args = ap.parse_args()
+    if args.xla_flag:
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *args.xla_flag]).strip()
+    probe = {} if args.tiny else device_ceilings()
+    bw = probe.get("copy_gbps", float("nan"))
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from slora_jax.engine.adapter_store import SyntheticAdapterSource
+    from slora_jax.engine.config import EngineConfig
+    from slora_jax.engine.engine import Engine
+    from slora_jax.engine.sampling import SamplingParams
+    from slora_jax.engine.scheduler import pages_for
+    from slora_jax.engine.step_runner import StepItem, device_batch
+    from slora_jax.model.config import ATTN_MODULES, MODULES, ModelConfig
+    from slora_jax.model.llama import init_params
+    from slora_jax.model.paged import paged_forward
+    from slora_jax.model.params import param_bytes
+    from slora_jax.tools.synth import preset_config
+
+    cfg = ModelConfig.from_dict(preset_config("tiny" if args.tiny else "llama-2-7b"))
+    ecfg = EngineConfig(max_batch_size=args.batch, max_prefill_tokens=2048, max_prefill_seqs=16,
+                        max_model_len=max(1024, args.ctx + 16), page_size=16, max_lora_rank=64,
+                        max_loras=max(args.adapters, 1), pool_bytes=(256 << 20) if args.tiny else (12 << 30),
+                        dtype="float32" if args.tiny else "bfloat16", backend="pallas", min_decode_bucket=args.batch,
+                        lora_block_t=64, attn_block_q=128, layer_loop=args.layer_loop)
+    if args.tiny:
+        params = init_params(cfg, jax.random.PRNGKey(0))
+    else:
+        from serving import random_params
+
+        params = random_params(cfg, jnp.bfloat16)
+    weight_bytes = param_bytes(params) - params["embed"].nbytes
+    eng = Engine(cfg, params, ecfg)
+    del params
+    targets = tuple(MODULES) if args.all7 else tuple(ATTN_MODULES)
+    slots = []
+    for i in range(args.adapters):
+        name = f"a{i}"
+        eng.store.register(name, SyntheticAdapterSource(cfg, args.rank, targets, seed=zlib.crc32(name.encode())))
+        slots.append(eng.store.acquire(name))
+    rng = np.random.default_rng(0)
+    items = []
+    for i in range(args.batch):
+        pages = eng.pool.alloc_kv_pages(pages_for(args.ctx + 1, ecfg.page_size))
+        items.append(StepItem([int(rng.integers(3, cfg.vocab_size))], args.ctx, pages,
+                              slots[i % len(slots)] if slots else -1, SamplingParams(temperature=0.0), 0, 0))
+    batch, s, token_src = eng.runner.build_decode(items)
+    batch, s = device_batch(batch), device_batch(s)
+    prev, token_src = jnp.zeros(eng.runner.out_rows, jnp.int32), jnp.asarray(token_src)
+    runner = eng.runner
+    no_lora = jax.jit(lambda p, pool, t, b: paged_forward(cfg, runner.decode_spec, p, pool, t, b, use_lora=False),
+                      donate_argnums=(1,))
+
+    state = {"pool": eng.pool.array}
+
+    def full():
+        tok, state["pool"] = runner._decode(eng.params, state["pool"], eng.pool.table, batch, s, prev, token_src)
+        return tok
+
+    def base():
+        logits, state["pool"] = no_lora(eng.params, state["pool"], eng.pool.table, batch)
+        return logits
+
+    def timed(fn, iters):
+        fn().block_until_ready()  # compile + first run
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn()
+        out.block_until_ready()
+        return (time.perf_counter() - t0) / iters * 1e3
+
+    t_compile = time.perf_counter()
+    comp = runner._decode.lower(eng.params, state["pool"], eng.pool.table, batch, s, prev, token_src).compile()
+    t_compile = time.perf_counter() - t_compile
+    mem = comp.memory_analysis()
+    temp_mib = mem.temp_size_in_bytes / 2**20 if mem is not None else float("nan")
+    full_ms = timed(full, args.iters)
+    base_ms = timed(base, args.iters)
+    full_ms2 = timed(full, args.iters)  # again, after the other variant: checks the number is stable
+
+    kernels = []
+    if not args.tiny:
+        trace_dir = tempfile.mkdtemp(prefix="decode_prof_")
+        full().block_until_ready()
+        jax.profiler.start_trace(trace_dir)
+        n_prof = 5
+        for _ in range(n_prof):
+            out = full()
+        out.block_until_ready()
+        jax.profiler.stop_trace()
+        kernels = device_kernels(trace_dir)
+    per_name = collections.defaultdict(lambda: [0, 0.0])
+    for name, us in kernels:
+        per_name[name][0] += 1
+        per_name[name][1] += us
+    per_cat = collections.Counter()
+    for name, (_, us) in per_name.items():
+        per_cat[category(name)] += us
+    n_prof = 5 if kernels else 1
+
+    lora_bytes = 0
+    if args.adapters:
+        dims = sum(sum(cfg.module_dims(m)) for m in targets)
+        lora_bytes = args.adapters * args.rank * dims * cfg.num_hidden_layers * 2
+    kv_bytes = args.batch * (args.ctx + 1) * 2 * cfg.num_hidden_layers * cfg.kv_width * 2
+    floor_ms = (weight_bytes + kv_bytes + lora_bytes) / (bw * 1e9) * 1e3 if bw == bw else float("nan")
+    row = dict(label=args.label or f"{args.layer_loop} {' '.join(args.xla_flag)}".strip(), device=jax.devices()[0]
+               .device_kind, jax=jax.__version__, commit=git_commit(), batch=args.batch, ctx=args.ctx,
+               adapters=args.adapters, rank=args.rank, targets=len(targets), layer_loop=args.layer_loop,
+               xla_flags=os.environ.get("XLA_FLAGS", ""), compile_s=round(t_compile, 1), temp_mib=round(temp_mib, 1),
+               step_ms=round(full_ms, 3), step_ms_again=round(full_ms2, 3), no_lora_ms=round(base_ms, 3),
+               floor_ms=round(floor_ms, 3), x_floor=round(full_ms / floor_ms, 2) if floor_ms == floor_ms else None,
+               copy_gbps=bw, weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9, lora_gb=lora_bytes / 1e9,
+               device_us_per_step={k: round(v / n_prof, 1) for k, v in per_cat.most_common()},
+               kernels_per_step=round(len(kernels) / n_prof, 1),
+               top_kernels=[(n[:90], c // n_prof, round(us / n_prof, 1)) for n, (c, us) in
+                            sorted(per_name.items(), key=lambda kv: -kv[1][1])[:25]])
+    print(f"\n== {row['label']}: step {full_ms:.2f} ms (again {full_ms2:.2f}), without LoRA {base_ms:.2f} ms, floor "
+          f"{floor_ms:.2f} ms -> x{row['x_floor']}; compile {t_compile:.0f} s, temp {temp_mib:.0f} MiB")
+    if kernels:
+        busy = sum(per_cat.values()) / n_prof / 1e3
+        print(f"   device busy {busy:.2f} ms/step in {len(kernels) / n_prof:.0f} kernels; by kind (us/step): "
+              + ", ".join(f"{k} {v / n_prof:.0f}" for k, v in per_cat.most_common()))
+        for name, count, us in row["top_kernels"]:
+            print(f"   {us:9.1f} us  {count:4d}x  {category(name):9s} {name}")
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
