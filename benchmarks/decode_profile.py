@@ -101,7 +101,7 @@ def main() -> None:
     cfg = ModelConfig.from_dict(preset_config("tiny" if args.tiny else "llama-2-7b"))
     ecfg = EngineConfig(max_batch_size=args.batch, max_prefill_tokens=2048, max_prefill_seqs=16,
                         max_model_len=max(1024, args.ctx + 16), page_size=16, max_lora_rank=64,
-                        max_loras=max(args.adapters, 1), pool_bytes=(256 << 20) if args.tiny else (12 << 30),
+                        max_loras=max(args.adapters, 1), pool_bytes=(256 << 20) if args.tiny else (24 << 30),
                         dtype="float32" if args.tiny else "bfloat16", backend="pallas", min_decode_bucket=args.batch,
                         lora_block_t=64, attn_block_q=128, layer_loop=args.layer_loop)
     if args.tiny:
