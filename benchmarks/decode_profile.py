@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=32, help="distinct adapters in the batch (0 = base only)")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--all7", action="store_true", help="adapters on all 7 projections (default q,k,v,o)")
-    ap.add_argument("--layer-loop", default="scan", choices=["scan", "unroll"])
+    ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
     ap.add_argument("--xla-flag", action="append", default=[])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--label", default="")
@@ -91,7 +91,7 @@ def main() -> None:
     from slora_jax.engine.engine import Engine
     from slora_jax.engine.sampling import SamplingParams
     from slora_jax.engine.scheduler import pages_for
-    from slora_jax.engine.step_runner import StepItem, device_batch
+    from slora_jax.engine.step_runner import StepItem, device_batch, lora_variant
     from slora_jax.model.config import ATTN_MODULES, MODULES, ModelConfig
     from slora_jax.model.llama import init_params
     from slora_jax.model.paged import paged_forward
@@ -133,9 +133,11 @@ def main() -> None:
                       donate_argnums=(1,))
 
     state = {"pool": eng.pool.array}
+    variant = lora_variant(eng.pool.slot_modules[slots].any(axis=0))  # what the engine would run
 
-    def full():
-        tok, state["pool"] = runner._decode(eng.params, state["pool"], eng.pool.table, batch, s, prev, token_src)
+    def full(variant=variant):
+        tok, state["pool"] = runner._decode[variant](eng.params, state["pool"], eng.pool.table, batch, s, prev,
+                                                     token_src)
         return tok
 
     def base():
@@ -151,13 +153,14 @@ def main() -> None:
         return (time.perf_counter() - t0) / iters * 1e3
 
     t_compile = time.perf_counter()
-    comp = runner._decode.lower(eng.params, state["pool"], eng.pool.table, batch, s, prev, token_src).compile()
+    comp = runner._decode[variant].lower(eng.params, state["pool"], eng.pool.table, batch, s, prev, token_src).compile()
     t_compile = time.perf_counter() - t_compile
     mem = comp.memory_analysis()
     temp_mib = mem.temp_size_in_bytes / 2**20 if mem is not None else float("nan")
     full_ms = timed(full, args.iters)
     base_ms = timed(base, args.iters)
     full_ms2 = timed(full, args.iters)  # again, after the other variant: checks the number is stable
+    all_ms = timed(lambda: full("all"), args.iters)  # every LoRA kernel launched, as before variants existed
 
     kernels = []
     if not args.tiny:
@@ -189,14 +192,16 @@ def main() -> None:
                .device_kind, jax=jax.__version__, commit=git_commit(), batch=args.batch, ctx=args.ctx,
                adapters=args.adapters, rank=args.rank, targets=len(targets), layer_loop=args.layer_loop,
                xla_flags=os.environ.get("XLA_FLAGS", ""), compile_s=round(t_compile, 1), temp_mib=round(temp_mib, 1),
-               step_ms=round(full_ms, 3), step_ms_again=round(full_ms2, 3), no_lora_ms=round(base_ms, 3),
+               variant=variant, step_ms=round(full_ms, 3), step_ms_again=round(full_ms2, 3),
+               all_lora_kernels_ms=round(all_ms, 3), no_lora_ms=round(base_ms, 3),
                floor_ms=round(floor_ms, 3), x_floor=round(full_ms / floor_ms, 2) if floor_ms == floor_ms else None,
                copy_gbps=bw, weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9, lora_gb=lora_bytes / 1e9,
                device_us_per_step={k: round(v / n_prof, 1) for k, v in per_cat.most_common()},
                kernels_per_step=round(len(kernels) / n_prof, 1),
                top_kernels=[(n[:90], c // n_prof, round(us / n_prof, 1)) for n, (c, us) in
                             sorted(per_name.items(), key=lambda kv: -kv[1][1])[:25]])
-    print(f"\n== {row['label']}: step {full_ms:.2f} ms (again {full_ms2:.2f}), without LoRA {base_ms:.2f} ms, floor "
+    print(f"\n== {row['label']}: step ({variant}) {full_ms:.2f} ms (again {full_ms2:.2f}), with every LoRA kernel "
+          f"{all_ms:.2f} ms, without LoRA {base_ms:.2f} ms, floor "
           f"{floor_ms:.2f} ms -> x{row['x_floor']}; compile {t_compile:.0f} s, temp {temp_mib:.0f} MiB")
     if kernels:
         busy = sum(per_cat.values()) / n_prof / 1e3

@@ -43,7 +43,7 @@ def main() -> None:
     item = StepItem([5, 6, 7], 0, [1], -1, None, 0, 0)
     for kind in ("decode", "prefill"):
         build = eng.runner.build_decode if kind == "decode" else eng.runner.build_prefill
-        fn = eng.runner._decode if kind == "decode" else eng.runner._prefill
+        fn = eng.runner._decode["all"] if kind == "decode" else eng.runner._prefill
         batch, s = build([item])
         comp = fn.lower(eng.params, eng.pool.array, eng.pool.table, batch, s).compile()
         ma = comp.memory_analysis()

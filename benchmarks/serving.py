@@ -63,6 +63,7 @@ def run_trace(engine, name, trace, adapter_names, vocab, budget_end, slo_s=6.0):
     from slora_jax.engine.sampling import SamplingParams
 
     rng = __import__("numpy").random.default_rng(1)
+    store_before = engine.store.stats()
     pending = list(trace)
     info = {}
     steps = []
@@ -99,8 +100,10 @@ def run_trace(engine, name, trace, adapter_names, vocab, budget_end, slo_s=6.0):
         if plan is not None:
             steps.append({"t": te - ts, "kind": plan.kind, "batch": len(plan.seqs),
                           "ctx": sum(s.num_tokens for s in plan.seqs),
-                          "adapters": len({s.adapter for s in plan.seqs if s.adapter})})
+                          "adapters": len({s.adapter for s in plan.seqs if s.adapter}),
+                          **{f"host_{k}": v for k, v in engine.last_timing._asdict().items()}})
     elapsed = time.monotonic() - t0
+    store_after = engine.store.stats()
     done = [d for d in info.values() if d["end"] is not None]
     n = len(done)
     toks = sum(d["tokens"] for d in done)
@@ -111,7 +114,14 @@ def run_trace(engine, name, trace, adapter_names, vocab, budget_end, slo_s=6.0):
         "mean_first_token_s": sum(d["first"] - d["arrival"] for d in done) / max(n, 1),
         "slo_attainment": sum((d["first"] - d["arrival"]) <= slo_s for d in done) / max(len(info), 1),
         "cut_by_budget": bool(pending or engine.has_unfinished()),
+        "store": {k: store_after[k] - store_before[k] for k in ("hits", "misses", "loads", "prefetch_loads",
+                                                                 "staged_loads", "evictions", "host_loads")},
     }
+    for kind in ("prefill", "decode"):  # where the engine thread's time went, per step kind (seconds in total)
+        ks = [s for s in steps if s["kind"] == kind]
+        res[f"{kind}_steps"] = len(ks)
+        res[f"{kind}_host_s"] = {k[5:]: round(sum(s[k] for s in ks), 3) for k in (ks[0] if ks else {})
+                                 if k.startswith("host_")}
     return res, steps
 
 
@@ -126,7 +136,7 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="regex: run only the saturation traces whose name matches")
     ap.add_argument("--latency-s", type=float, default=40.0, help="length of the set-rate latency trace")
     ap.add_argument("--no-latency", action="store_true", help="skip the set-rate latency trace")
-    ap.add_argument("--layer-loop", default="scan", choices=["scan", "unroll"])
+    ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
     ap.add_argument("--xla-flag", action="append", default=[],
                     help="extra XLA flag for this run, e.g. --xla-flag=--xla_gpu_enable_dynamic_slice_fusion=true")
     args = ap.parse_args()

@@ -55,6 +55,45 @@ def test_staggered_mixed_adapters_with_eviction_match_peft(engine, tiny_dir, ada
     assert engine.pool.stats()["pages_kv"] == 0
 
 
+@pytest.mark.parametrize("adapters, variant", [
+    (["r4-qkvo", "r32-qv", None], "attn"),  # attention-only adapters: no MLP LoRA kernels
+    ([None, None], "none"),  # base model only: no LoRA kernels at all
+    (["r4-qkvo", "patterns", None], "all"),  # one adapter with down_proj: every kernel
+])
+def test_decode_runs_the_smallest_lora_variant_covering_its_batch(engine, tiny_dir, adapter_dirs, adapters, variant):
+    rng = np.random.default_rng()
+    seen = []
+    decode = engine.runner.decode
+
+    def spy(*args, lora="all", **kw):
+        seen.append(lora)
+        return decode(*args, lora=lora, **kw)
+
+    engine.runner.decode = spy
+    try:
+        prompts = [_prompt(rng, engine.cfg.vocab_size) for _ in adapters]
+        outs = engine.generate(prompts, adapters, SamplingParams(max_tokens=6, **GREEDY))
+    finally:
+        del engine.runner.decode
+    assert seen and set(seen) == {variant}
+    for adapter, prompt, ours in zip(adapters, prompts, outs, strict=True):
+        assert ours == hf_generate(tiny_dir, prompt, 6, adapter_dirs[adapter] if adapter else None), adapter
+
+
+def test_lora_variant_is_the_smallest_cover():
+    from slora_jax.engine.step_runner import lora_variant
+    from slora_jax.model.config import MODULES
+
+    def mask(*names):
+        return np.array([m in names for m in MODULES])
+
+    assert lora_variant(mask()) == "none"
+    assert lora_variant(mask("q_proj", "v_proj")) == "attn"
+    assert lora_variant(mask("q_proj", "k_proj", "v_proj", "o_proj")) == "attn"
+    assert lora_variant(mask("up_proj")) == "all"
+    assert lora_variant(mask("q_proj", "down_proj")) == "all"
+
+
 def test_200_mixed_requests_compile_nothing_after_warmup(engine):
     rng = np.random.default_rng()
     before = engine.compiles_since_warmup()

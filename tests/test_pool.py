@@ -394,3 +394,24 @@ def test_staged_and_inline_loads_share_one_scatter_compile():
     assert pool_mod._write_pages._cache_size() - scatter0 <= 1
     for ad in ads:
         assert_adapter_resident(pool, ad)
+
+
+
+def test_slot_modules_mirror_what_each_resident_adapter_targets():
+    """The host mirror the engine uses to skip LoRA kernels: set at load, cleared at unload, right on slot reuse."""
+    rng = np.random.default_rng()
+    pool = make_pool(max_slots=2)
+
+    def adapter(name, targets):
+        ad = random_adapter(rng, name, p_absent=0.0)
+        return LoraAdapter(name, {k: v for k, v in ad.modules.items() if k[1] in targets})
+
+    qv, mlp = adapter("qv", ("q_proj", "v_proj")), adapter("mlp", ("down_proj",))
+    s_qv = pool.load_adapter("qv", to_pool_rows(qv, CFG))
+    s_mlp = pool.load_adapter("mlp", to_pool_rows(mlp, CFG))
+    assert pool.slot_modules[s_qv].tolist() == [m in ("q_proj", "v_proj") for m in MODULES]
+    assert pool.slot_modules[s_mlp].tolist() == [m == "down_proj" for m in MODULES]
+    pool.unload_adapter("qv")
+    assert not pool.slot_modules[s_qv].any()
+    assert pool.load_adapter("mlp2", to_pool_rows(mlp, CFG)) == s_qv
+    assert pool.slot_modules[s_qv].tolist() == [m == "down_proj" for m in MODULES]

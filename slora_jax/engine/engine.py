@@ -13,6 +13,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +26,24 @@ from ..model.paged import check_backend
 from ..model.params import unstack_layer_params
 from . import compile_counter
 from .adapter_store import AdapterStore
-from .config import EngineConfig
+from .config import EngineConfig, resolve_layer_loop
 from .detok import IncrementalDetokenizer
 from .pool import PagedPool
 from .sampling import SamplingParams
 from .scheduler import Scheduler, pages_for
 from .sequence import RequestOutput, Sequence, Status
-from .step_runner import StepItem, StepRunner
+from .step_runner import StepItem, StepRunner, lora_variant
+
+
+class StepTiming(NamedTuple):
+    """Host seconds in each phase of one :meth:`Engine.step`. ``wait`` is the host blocked on the device (the
+    previous step still running): near zero means the host, not the device, sets the pace."""
+
+    schedule: float  # admission (incl. blocking adapter loads), decode page reservation, preemption
+    dispatch: float  # building the batch in numpy and queueing the jitted step
+    prefetch: float  # adapters of the waiting head: host reads started, pool loads queued
+    wait: float  # reading the previous step's tokens back
+    append: float  # tokens appended, stops checked, callbacks run
 
 
 class QueueFull(RuntimeError):
@@ -43,8 +55,12 @@ class Engine:
                  interpret: bool | None = None):
         compile_counter.install()
         self.cfg, self.ecfg = cfg, ecfg.validate()
-        if ecfg.layer_loop == "unroll" and not isinstance(params["layers"], list | tuple):
+        self.layer_loop = resolve_layer_loop(ecfg.layer_loop, jax.default_backend())
+        unrolled = isinstance(params["layers"], list | tuple)
+        if self.layer_loop == "unroll" and not unrolled:
             params = dict(params, layers=unstack_layer_params(params["layers"]))
+        elif self.layer_loop == "scan" and unrolled:
+            params = dict(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"]))
         self.params = params
         check_backend(ecfg.backend)
         self.tokenizer = tokenizer
@@ -61,6 +77,8 @@ class Engine:
         self.warm_compiles: int | None = None
         self.num_steps = 0
         self.last_plan = None  # what the last step ran (benchmarks read it)
+        self.last_timing: StepTiming | None = None
+        self.time_in = dict.fromkeys(StepTiming._fields, 0.0)  # cumulative host seconds per step phase
         # dispatched, tokens not read yet: (sequences, their rows in the output, token ids on the device)
         self._inflight: tuple[list[Sequence], list[int], jax.Array] | None = None
 
@@ -131,20 +149,25 @@ class Engine:
         A decode step takes its input tokens straight from the previous step's output on the device, so the host's
         bookkeeping (tokens, stops, callbacks, the next batch) overlaps the device's work instead of idling it.
         """
+        t0 = time.perf_counter()
         outputs = [self._finish(seq, "error", error) for seq, error in self.scheduler.take_failed()]
         plan = self.scheduler.schedule()
         outputs += [self._finish(seq, "error", error) for seq, error in self.scheduler.take_failed()]
         self.last_plan = plan
         previous = self._inflight
+        t1 = time.perf_counter()
         if plan is not None:
             items = [self._item(seq, plan.kind) for seq in plan.seqs]
             if plan.kind == "prefill":
                 next_ids, self.pool.array = self.runner.prefill(self.params, self.pool.array, self.pool.table, items)
             else:
                 prev_ids = previous[2] if previous is not None else None
+                slots = [seq.adapter_slot for seq in plan.seqs if seq.adapter_slot >= 0]
+                lora = lora_variant(self.pool.slot_modules[slots].any(axis=0))
                 next_ids, self.pool.array = self.runner.decode(self.params, self.pool.array, self.pool.table, items,
-                                                               prev_ids)
+                                                               prev_ids, lora=lora)
             self.num_steps += 1
+        t2 = time.perf_counter()
         # dispatched (or nothing to run): the new step's tokens are now the ones on the device
         self._inflight = None
         if previous is not None:
@@ -156,14 +179,27 @@ class Engine:
             self._inflight = (plan.seqs, list(range(len(plan.seqs))), next_ids)
             head = itertools.islice(self.scheduler.waiting, self.ecfg.max_prefill_seqs)
             self.store.prefetch([s.adapter for s in head if s.adapter is not None])
+        t3 = time.perf_counter()
+        t4 = t3
         if previous is not None:
-            outputs += self._drain(*previous)
+            tokens = np.asarray(previous[2])  # waits for the previous step (this one is queued behind it)
+            t4 = time.perf_counter()
+            try:
+                outputs += self._drain(previous[0], previous[1], tokens)
+            finally:
+                self._record_timing((t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4))
+        else:
+            self._record_timing((t1 - t0, t2 - t1, t3 - t2, 0.0, time.perf_counter() - t3))
         return outputs
 
-    def _drain(self, seqs: list[Sequence], rows: list[int], next_ids: jax.Array) -> list[RequestOutput]:
-        """Read a dispatched step's tokens and append them (sequences ended meanwhile drop theirs). Every token is
+    def _record_timing(self, phases: tuple[float, ...]) -> None:
+        self.last_timing = StepTiming(*phases)
+        for name, value in zip(StepTiming._fields, phases, strict=True):
+            self.time_in[name] += value
+
+    def _drain(self, seqs: list[Sequence], rows: list[int], tokens: np.ndarray) -> list[RequestOutput]:
+        """Append a dispatched step's tokens, read back (sequences ended meanwhile drop theirs). Every token is
         appended even if a callback raises; the first callback error is raised at the end."""
-        tokens = np.asarray(next_ids)
         now = time.monotonic()
         outputs, error = [], None
         for seq, row in zip(seqs, rows, strict=True):
@@ -276,6 +312,7 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "compiles": compile_counter.compile_count(),
             "compiles_since_warmup": self.compiles_since_warmup(),
+            "step_seconds": dict(self.time_in),
             "pool": self.pool.stats(kv_tokens_live=kv_live),
             "adapters": self.store.stats(),
         }

@@ -132,6 +132,9 @@ class PagedPool:
             b_off=jnp.zeros((n_slots, n_layers, n_mod), jnp.int32),
             scale=jnp.zeros((n_slots, n_layers, n_mod), jnp.float32),
         )
+        # host mirror: which projections each slot's adapter targets (any layer), so a step can skip the LoRA kernels
+        # of projections no adapter in its batch targets
+        self.slot_modules = np.zeros((n_slots, n_mod), bool)
         self.kv_tokens_live = 0  # tokens actually stored in KV pages; the engine keeps this current
         self._adapters: dict[str, ResidentAdapter] = {}
         self._free_slots: list[int] = list(range(self.max_slots))  # a heap: lowest slot first
@@ -197,6 +200,7 @@ class PagedPool:
             self.allocator.free(pages)
             raise
         heapq.heappop(self._free_slots)
+        self.slot_modules[slot] = (np.asarray(rows.rank) > 0).any(axis=0)
         self._adapters[name] = ResidentAdapter(name, slot, tuple(pages), rows.total_vectors)
         return slot
 
@@ -216,6 +220,7 @@ class PagedPool:
             np.zeros((self.num_layers, len(MODULES)), np.float32),
         )
         self.allocator.free(res.pages, (ADAPTER, name))
+        self.slot_modules[res.slot] = False
         heapq.heappush(self._free_slots, res.slot)
 
     def slot_of(self, name: str) -> int:

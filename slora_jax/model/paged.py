@@ -55,6 +55,9 @@ class PagedSpec:
     lora_block_t: int = 16
     attn_block_q: int = 16
     interpret: bool | None = None
+    # projections (indices into MODULES) whose LoRA kernels run; a group none of whose modules is listed is skipped
+    # (a batch whose adapters target only q,k,v,o launches no MLP LoRA kernels)
+    lora_modules: tuple[int, ...] = tuple(range(len(MODULES)))
 
 
 @dataclasses.dataclass
@@ -66,7 +69,7 @@ class PagedOps:
     use_lora: bool = True
 
     def lora(self, x, y, modules, layer, pool):
-        if not self.use_lora:
+        if not self.use_lora or not any(m in self.spec.lora_modules for m in modules):
             return y
         d_outs = tuple(self.cfg.module_dims(MODULES[m])[1] for m in modules)
         pallas, interpret, rank = self.spec.backend == "pallas", self.spec.interpret, self.spec.max_rank

@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     e.add_argument("--backend", choices=["pallas", "reference"], default=None,
                    help="kernels: pallas (GPU default) or the jnp reference (CPU default)")
-    e.add_argument("--layer-loop", choices=["scan", "unroll"], default="scan",
-                   help="scan: stacked layer weights, short compiles; unroll: per-layer weights, no per-step slicing")
+    e.add_argument("--layer-loop", choices=["auto", "scan", "unroll"], default="auto",
+                   help="unroll: per-layer weights, no per-step weight copies (auto on GPU); scan: stacked weights, "
+                        "short compiles (auto on CPU)")
     e.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
                    help="params and pool dtype (auto: bfloat16 on GPU, float32 on CPU)")
     e.add_argument("--no-warmup", action="store_true", help="compile step buckets on first use instead of now")
