@@ -92,7 +92,7 @@ def main() -> None:
     from slora_jax.engine.engine import Engine
     from slora_jax.engine.sampling import SamplingParams
     from slora_jax.engine.scheduler import pages_for
-    from slora_jax.engine.step_runner import StepItem, device_batch, lora_variant
+    from slora_jax.engine.step_runner import StepItem, device_batch, lora_variant, pack_inputs
     from slora_jax.model.config import ATTN_MODULES, MODULES, ModelConfig
     from slora_jax.model.llama import init_params
     from slora_jax.model.paged import paged_forward
@@ -127,8 +127,9 @@ def main() -> None:
         items.append(StepItem([int(rng.integers(3, cfg.vocab_size))], args.ctx, pages,
                               slots[i % len(slots)] if slots else -1, SamplingParams(temperature=0.0), 0, 0))
     batch, s, token_src = eng.runner.build_decode(items)
-    batch, s = device_batch(batch), device_batch(s)
-    prev, token_src = jnp.zeros(eng.runner.out_rows, jnp.int32), jnp.asarray(token_src)
+    packed, layout = pack_inputs(batch, s, token_src)
+    packed, batch = jnp.asarray(packed), device_batch(batch)  # on the device once: times the step alone
+    prev = jnp.zeros(eng.runner.out_rows, jnp.int32)
     runner = eng.runner
     no_lora = jax.jit(lambda p, pool, t, b: paged_forward(cfg, runner.decode_spec, p, pool, t, b, use_lora=False),
                       donate_argnums=(1,))
@@ -137,8 +138,8 @@ def main() -> None:
     variant = lora_variant(eng.pool.slot_modules[slots].any(axis=0))  # what the engine would run
 
     def full(variant=variant):
-        tok, state["pool"] = runner._decode[variant](eng.params, state["pool"], eng.pool.table, batch, s, prev,
-                                                     token_src)
+        tok, state["pool"] = runner.step_fn("decode", variant)(layout, eng.params, state["pool"], eng.pool.table,
+                                                               packed, prev)
         return tok
 
     def base():
@@ -154,7 +155,8 @@ def main() -> None:
         return (time.perf_counter() - t0) / iters * 1e3
 
     t_compile = time.perf_counter()
-    comp = runner._decode[variant].lower(eng.params, state["pool"], eng.pool.table, batch, s, prev, token_src).compile()
+    comp = runner.step_fn("decode", variant).lower(layout, eng.params, state["pool"], eng.pool.table, packed,
+                                                   prev).compile()
     t_compile = time.perf_counter() - t_compile
     mem = comp.memory_analysis()
     temp_mib = mem.temp_size_in_bytes / 2**20 if mem is not None else float("nan")
@@ -164,16 +166,18 @@ def main() -> None:
     all_ms = timed(lambda: full("all"), args.iters)  # every LoRA kernel launched, as before variants existed
 
     def as_engine(iters):
-        """As the engine calls it: the batch built in numpy every step (fresh input buffers), the input tokens taken
-        from the previous step's output on the device. Returns (ms per step, median host ms inside the call)."""
+        """As the engine calls it: the batch built and packed in numpy every step (a fresh input buffer), the input
+        tokens taken from the previous step's output on the device. Returns (ms per step, median host ms inside
+        the call)."""
         tok = full()
         tok.block_until_ready()
         calls = []
         t0 = time.perf_counter()
         for _ in range(iters):
-            b, s_np, src = runner.build_decode([dataclasses.replace(it, token_src=i) for i, it in enumerate(items)])
             tc = time.perf_counter()
-            tok, state["pool"] = runner._decode[variant](eng.params, state["pool"], eng.pool.table, b, s_np, tok, src)
+            tok, state["pool"] = runner.decode(eng.params, state["pool"], eng.pool.table,
+                                               [dataclasses.replace(it, token_src=i) for i, it in enumerate(items)],
+                                               tok, lora=variant)
             calls.append(time.perf_counter() - tc)
         tok.block_until_ready()
         return (time.perf_counter() - t0) / iters * 1e3, float(np.median(calls)) * 1e3

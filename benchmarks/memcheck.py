@@ -11,10 +11,11 @@ import collections
 import sys
 
 import jax
+import numpy as np
 
 from slora_jax.engine.config import EngineConfig
 from slora_jax.engine.engine import Engine
-from slora_jax.engine.step_runner import StepItem
+from slora_jax.engine.step_runner import StepItem, pack_inputs
 from slora_jax.model.config import ModelConfig
 from slora_jax.model.llama import init_params
 from slora_jax.tools.synth import preset_config
@@ -42,10 +43,13 @@ def main() -> None:
     shape = f"{dt}[{','.join(map(str, eng.pool.array.shape))}]"
     item = StepItem([5, 6, 7], 0, [1], -1, None, 0, 0)
     for kind in ("decode", "prefill"):
-        build = eng.runner.build_decode if kind == "decode" else eng.runner.build_prefill
-        fn = eng.runner._decode["all"] if kind == "decode" else eng.runner._prefill
-        batch, s = build([item])
-        comp = fn.lower(eng.params, eng.pool.array, eng.pool.table, batch, s).compile()
+        if kind == "decode":
+            packed, layout = pack_inputs(*eng.runner.build_decode([item]))
+        else:
+            batch, s = eng.runner.build_prefill([item])
+            packed, layout = pack_inputs(batch, s, np.full(batch.tokens.shape, -1, np.int32))
+        comp = eng.runner.step_fn(kind).lower(layout, eng.params, eng.pool.array, eng.pool.table, packed,
+                                              eng.runner._no_prev).compile()
         ma = comp.memory_analysis()
         ops = collections.Counter()
         for line in comp.as_text().split("\n"):

@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256, help="requests per saturation trace")
     ap.add_argument("--pool-gb", type=float, default=48.0)
     ap.add_argument("--ns", default="5,100,1000,2000")
+    ap.add_argument("--ns2", default=None, help="n for the S2 and all-7 traces (default: first and last of --ns)")
     ap.add_argument("--only", default=None, help="regex: run only the saturation traces whose name matches")
     ap.add_argument("--latency-s", type=float, default=40.0, help="length of the set-rate latency trace")
     ap.add_argument("--no-latency", action="store_true", help="skip the set-rate latency trace")
@@ -189,9 +190,10 @@ def main() -> None:
     plans = []  # (name, setting, n, targets, rate, num_requests)
     for n in ns:
         plans.append((f"S1-qkvo-n{n}-sat", "S1", n, ATTN, 1000.0, n_req))
-    for n in sorted({ns[0], ns[-1]}):
+    ns2 = [int(x) for x in args.ns2.split(",")] if args.ns2 and not args.tiny else sorted({ns[0], ns[-1]})
+    for n in ns2:
         plans.append((f"S2-qkvo-n{n}-sat", "S2", n, ATTN, 1000.0, n_req))
-    plans.append((f"S1-all7-n{ns[-1]}-sat", "S1", ns[-1], ALL7, 1000.0, n_req))
+    plans.append((f"S1-all7-n{ns2[-1]}-sat", "S1", ns2[-1], ALL7, 1000.0, n_req))
     if args.only:
         plans = [p for p in plans if re.search(args.only, p[0])]
     results, all_steps = [], []

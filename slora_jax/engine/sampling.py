@@ -74,26 +74,19 @@ def sampling_arrays(params: list[SamplingParams | None], seeds: list[int], count
 def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """Token ids [B] from logits [B, V]: greedy where temperature == 0, else top-k/top-p filtered Gumbel-max.
 
-    The vocab sort that top-k/top-p need runs only when some row asks for them (a [B, V] sort per step is not free).
+    No ``lax.cond``: on GPU a conditional copies its predicate to the host and waits for it, which would stall the
+    host inside every step's dispatch until the device reached the sampler (the host/device overlap lost). Rows
+    without top-k/top-p get a threshold that masks nothing, so one branch-free path serves every row.
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampling = s.temperature > 0
-    filtering = sampling & ((s.top_k > 0) | (s.top_p < 1.0))
-    return jax.lax.cond(jnp.any(sampling), _sample_rows, lambda *a: greedy,
-                        logits, greedy, s, sampling, jnp.any(filtering))
-
-
-def _sample_rows(logits, greedy, s: SamplingArrays, sampling, any_filter):
-    vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
-    threshold = jax.lax.cond(any_filter, _filter_threshold, lambda x, _: jnp.full((x.shape[0], 1), -jnp.inf),
-                             scaled, s)
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    masked = jnp.where(scaled >= _filter_threshold(scaled, s), scaled, -jnp.inf)
+    vocab = logits.shape[-1]
     keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.PRNGKey(seed), c))(s.seed, s.counter)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
     sampled = jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
-    return jnp.where(sampling, sampled, greedy)
+    return jnp.where(s.temperature > 0, sampled, greedy)
 
 
 def _filter_threshold(scaled, s: SamplingArrays):
@@ -104,6 +97,6 @@ def _filter_threshold(scaled, s: SamplingArrays):
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
     probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
     cum = jnp.cumsum(probs_sorted, axis=-1)
-    keep_sorted = (cum - probs_sorted) < s.top_p[:, None]
+    keep_sorted = ((cum - probs_sorted) < s.top_p[:, None]) | (s.top_p[:, None] >= 1.0)  # p = 1: exactly all
     p_cut = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     return jnp.maximum(kth, p_cut)

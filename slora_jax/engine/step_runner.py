@@ -73,11 +73,12 @@ class StepRunner:
         self.decode_spec = PagedSpec(mode="decode", **spec)
         # every step returns this many token ids (a decode bucket may exceed max_batch_size)
         self.out_rows = max(max(ecfg.decode_buckets), ecfg.max_prefill_seqs)
-        self._prefill = jax.jit(functools.partial(_step, cfg, self.prefill_spec, self.out_rows), donate_argnums=(1,))
+        # fn(layout, params, pool, table, packed, prev_tokens): layout static, pool donated
+        jit = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+        self._prefill = jit(functools.partial(_step, cfg, self.prefill_spec, self.out_rows))
         variants = LORA_VARIANTS if ecfg.decode_lora_variants else {"all": LORA_VARIANTS["all"]}
-        self._decode = {name: jax.jit(functools.partial(_step, cfg, dataclasses.replace(self.decode_spec,
-                                                                                        lora_modules=mods),
-                                                        self.out_rows), donate_argnums=(1,))
+        self._decode = {name: jit(functools.partial(_step, cfg, dataclasses.replace(self.decode_spec,
+                                                                                   lora_modules=mods), self.out_rows))
                         for name, mods in variants.items()}
         self._no_prev = jnp.zeros(self.out_rows, jnp.int32)
 
@@ -146,19 +147,24 @@ class StepRunner:
         return StepBatch(**a), SamplingArrays(**s)
 
     # ---------------------------------------------------------------- running
+    def step_fn(self, kind: str, lora: str = "all"):
+        """The jitted step: ``fn(layout, params, pool, table, packed, prev_tokens) -> (token ids, pool)``."""
+        return self._prefill if kind == "prefill" else self._decode.get(lora, self._decode["all"])
+
     def prefill(self, params, pool, table, items: list[StepItem]) -> tuple[jax.Array, jax.Array]:
         """Dispatch a prefill step; returns (next token ids [out_rows], pool) without waiting."""
         batch, s = self.build_prefill(items)
-        return self._prefill(params, pool, table, batch, s, self._no_prev, np.full(batch.tokens.shape, -1, np.int32))
+        packed, layout = pack_inputs(batch, s, np.full(batch.tokens.shape, -1, np.int32))
+        return self._prefill(layout, params, pool, table, packed, self._no_prev)
 
     def decode(self, params, pool, table, items: list[StepItem], prev_tokens: jax.Array | None = None,
                lora: str = "all") -> tuple[jax.Array, jax.Array]:
         """Dispatch a decode step; input tokens of rows with ``token_src >= 0`` come from ``prev_tokens`` (the last
         step's output, still on the device), so this step can be queued before that one's tokens are read.
         ``lora`` names the :data:`LORA_VARIANTS` entry to run (it must cover every adapter in ``items``)."""
-        batch, s, token_src = self.build_decode(items)
-        fn = self._decode.get(lora, self._decode["all"])
-        return fn(params, pool, table, batch, s, self._no_prev if prev_tokens is None else prev_tokens, token_src)
+        packed, layout = pack_inputs(*self.build_decode(items))
+        return self.step_fn("decode", lora)(layout, params, pool, table, packed,
+                                            self._no_prev if prev_tokens is None else prev_tokens)
 
     def warmup(self, params, pool, table, progress: bool = True) -> jax.Array:
         """Compile every bucket with an all-padding batch (writes nothing: every KV slot is -1)."""
@@ -168,16 +174,52 @@ class StepRunner:
         for kind, n, variant in tqdm(jobs, desc="compiling step buckets", disable=not progress):
             if kind == "prefill":
                 batch, s = self.build_prefill([], n_rows=n)
-                tokens, pool = self._prefill(params, pool, table, batch, s, self._no_prev, np.full(n, -1, np.int32))
+                packed, layout = pack_inputs(batch, s, np.full(n, -1, np.int32))
             else:
-                batch, s, token_src = self.build_decode([], n=n)
-                tokens, pool = self._decode[variant](params, pool, table, batch, s, self._no_prev, token_src)
+                packed, layout = pack_inputs(*self.build_decode([], n=n))
+            tokens, pool = self.step_fn(kind, variant)(layout, params, pool, table, packed, self._no_prev)
             tokens.block_until_ready()
         return pool
 
 
-def _step(cfg: ModelConfig, spec: PagedSpec, out_rows: int, params, pool, table, batch: StepBatch,
-          s: SamplingArrays, prev_tokens: jax.Array, token_src: jax.Array):
+# Every per-step host input travels as ONE int32 buffer: on the H200 each numpy argument of a jitted call costs
+# ~0.45 ms of host time to transfer, and a step has 16 of them (StepBatch, SamplingArrays, token_src).
+Layout = tuple[tuple[str, tuple[int, ...], str], ...]  # (field, shape, dtype) in buffer order
+
+
+def pack_inputs(batch: StepBatch, s: SamplingArrays, token_src: np.ndarray) -> tuple[np.ndarray, Layout]:
+    """(int32 buffer, its static layout); float32 / uint32 fields travel as their bit patterns."""
+    arrays = [(f"batch.{f.name}", getattr(batch, f.name)) for f in dataclasses.fields(StepBatch)]
+    arrays += [(f"sampling.{f.name}", getattr(s, f.name)) for f in dataclasses.fields(SamplingArrays)]
+    arrays.append(("token_src", token_src))
+    parts, layout = [], []
+    for name, a in arrays:
+        a = np.ascontiguousarray(a)
+        if a.dtype.itemsize != 4:
+            raise TypeError(f"step input {name} is {a.dtype}; only 4-byte dtypes can be packed")
+        parts.append(a.view(np.int32).ravel())
+        layout.append((name, tuple(a.shape), a.dtype.str))
+    return np.concatenate(parts), tuple(layout)
+
+
+def unpack_inputs(packed: jax.Array, layout: Layout) -> tuple[StepBatch, SamplingArrays, jax.Array]:
+    """Inside the jitted step: static slices of the buffer back into the step's inputs."""
+    fields, offset = {}, 0
+    for name, shape, dtype in layout:
+        size = int(np.prod(shape, dtype=np.int64))
+        x = packed[offset:offset + size].reshape(shape)
+        offset += size
+        if np.dtype(dtype) != np.int32:
+            x = jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
+        fields[name] = x
+    batch = StepBatch(**{k[6:]: v for k, v in fields.items() if k.startswith("batch.")})
+    s = SamplingArrays(**{k[9:]: v for k, v in fields.items() if k.startswith("sampling.")})
+    return batch, s, fields["token_src"]
+
+
+def _step(cfg: ModelConfig, spec: PagedSpec, out_rows: int, layout: Layout, params, pool, table, packed: jax.Array,
+          prev_tokens: jax.Array):
+    batch, s, token_src = unpack_inputs(packed, layout)
     tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], batch.tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
     logits, pool = paged_forward(cfg, spec, params, pool, table, batch)
