@@ -500,6 +500,7 @@ def test_prefetch_reads_then_loads_without_pinning(make_store, tiny_cfg, rng):
     store.prefetch(["z"])
     assert not store.is_resident("z") and store.resident() == ["x", "y"]
     store.release("y")
+    wait_stagings(store, 3)  # z's pages, copied on an IO thread: prefetch loads it once they are there
     store.prefetch(["z"])
     assert sorted(store.resident()) == ["x", "z"] and store.pin_count("x") == 1
     assert_holds(store, "z", adapters["z"])
@@ -517,6 +518,7 @@ def test_prefetch_reads_then_loads_without_pinning(make_store, tiny_cfg, rng):
     assert store2.resident() == ["a"]
     store2.prefetch(["a", "b"], max_pool_loads=0)
     assert store2.resident() == ["a"]
+    wait_stagings(store2, 1)  # b, left out, was staged for later
     store2.prefetch(["b"])
     assert store2.resident() == ["a", "b"]
 
@@ -541,6 +543,13 @@ def test_warmup_compiles_every_load_bucket_once(make_store, tiny_cfg, rng):
 
 
 # ---- device staging ahead of pool loads ---------------------------------------------------------------------------
+
+
+def wait_stagings(store: AdapterStore, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while store.stats()["stagings"] < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.stats()["stagings"] >= n
 
 
 def record_stage_threads(store: AdapterStore) -> list[str]:
@@ -594,6 +603,39 @@ def test_prefetch_stages_on_io_threads_and_loads_use_it(make_store, tiny_cfg, rn
     store.acquire("y")
     assert store.stats()["staged_loads"] == 3 and threads[-1] == threading.current_thread().name
     assert_holds(store, "y", adapters["y"])
+
+
+def test_prefetch_waits_for_a_staging_in_flight_instead_of_staging_again(make_store, tiny_cfg, rng):
+    """A pool load whose pages an IO thread is still copying is left to a later prefetch: staging it again on the
+    engine thread would block every step behind a host copy (seen at 2000 adapters on the H200)."""
+    store = make_store(num_pages=64, max_slots=1)
+    adapters = {n: random_adapter(tiny_cfg, rng, n, ranks=(4,)) for n in "xz"}
+    for name, adapter in adapters.items():
+        store.register(name, adapter)
+    store.acquire("x")  # the only slot is pinned
+    wait_host(store, "z")
+    threads = record_stage_threads(store)
+    gate = threading.Event()
+    stage = store.pool.stage
+
+    def slow(rows, **kw):
+        if threading.current_thread().name.startswith("adapter-io"):
+            assert gate.wait(30)
+        return stage(rows, **kw)
+
+    store.pool.stage = slow
+    stagings = store.stats()["stagings"]
+    store.prefetch(["z"])  # no room: staged as a job of its own, now held at the gate
+    store.release("x")  # room now, staging still in flight
+    store.prefetch(["z"])
+    assert not store.is_resident("z")
+    assert all(t.startswith("adapter-io") for t in threads), threads
+    gate.set()
+    wait_stagings(store, stagings + 1)
+    store.prefetch(["z"])
+    assert store.is_resident("z") and store.stats()["staged_loads"] == 1
+    assert all(t.startswith("adapter-io") for t in threads), threads
+    assert_holds(store, "z", adapters["z"])
 
 
 def test_staged_pages_are_dropped_and_never_cross_names(make_store, tiny_cfg, rng):

@@ -658,6 +658,13 @@ class AdapterStore:
                     del self._staged[name]
         _finish(staging.future, staged, None if staged is not None else AdapterError(name, "not staged"))
 
+    def _staging_pending(self, name: str, rows: AdapterRows) -> bool:
+        """Engine thread: a staging of exactly these rows is queued or running on an IO thread (not done yet)."""
+        with self._lock:
+            staging = self._staged.get(name)
+            return (staging is not None and staging.entry is self._entries.get(name)
+                    and staging.rows is rows and not staging.future.done())
+
     def _take_staged(self, name: str, rows: AdapterRows, wait: bool) -> StagedPages | None:
         """Engine thread, lock not held: this adapter's staged pages if made from exactly ``rows`` of its current
         registration and ready (or, with ``wait``, being made on an IO thread right now); the staging is used up."""
@@ -808,6 +815,8 @@ class AdapterStore:
         loads = 0
         waiting = []
         for name, rows in ready:
+            if self._staging_pending(name, rows):
+                continue  # an IO thread is staging it: load it at a later call, not by staging again on this thread
             if ((max_pool_loads is None or loads < max_pool_loads)
                     and self._make_room(rows.pages_needed(self.pool.page_rows), protect, keep_free_pages)):
                 self._load(name, rows)

@@ -70,7 +70,7 @@ class Engine:
                               dtype=dtype)
         self.store = AdapterStore(cfg, self.pool, host_budget_bytes=ecfg.host_budget_bytes,
                                   max_rank=ecfg.max_lora_rank, dtype=np.dtype(dtype),
-                                  max_host_adapters=ecfg.max_cpu_loras)
+                                  max_host_adapters=ecfg.max_cpu_loras, max_staged=ecfg.max_staged_adapters)
         self.scheduler = Scheduler(ecfg, self.pool, self.store)
         self.runner = StepRunner(cfg, ecfg, interpret=interpret)
         self.requests: dict[str, Sequence] = {}
