@@ -29,6 +29,19 @@ def test_bf16_params_and_stacked_layers(tiny_dir, tiny_cfg):
     assert qkv.shape == (tiny_cfg.num_hidden_layers, tiny_cfg.hidden_size, tiny_cfg.q_width + 2 * tiny_cfg.kv_width)
 
 
+def test_unstacked_layers_equal_the_stacked_ones(tiny_dir, tiny_cfg):
+    """For an unrolled layer loop the loader hands out one dict per layer, the same weights as the stack."""
+    _, stacked = load_params(tiny_dir, dtype=jnp.float32, progress=False)
+    _, layers = load_params(tiny_dir, dtype=jnp.float32, progress=False, stacked=False)
+    assert isinstance(layers["layers"], list) and len(layers["layers"]) == tiny_cfg.num_hidden_layers
+    for i, layer in enumerate(layers["layers"]):
+        for x, y in zip(jax.tree.leaves(layer), jax.tree.leaves(stacked["layers"]), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y)[i])
+    for key in ("embed", "norm", "lm_head"):
+        for x, y in zip(jax.tree.leaves(layers[key]), jax.tree.leaves(stacked[key]), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_config_reads_llama3_scaling_tied_and_gqa(model_dirs):
     cfg = ModelConfig.from_model_dir(model_dirs["tiny-llama3"])
     assert cfg.tie_word_embeddings and cfg.rope_scaling is not None and cfg.rope_scaling.factor == 8.0

@@ -199,6 +199,11 @@ def test_metrics_exposed(srv):
         assert name in text, name
     assert 'slora_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert f'slora_adapters{{tier="disk"}} {float(N_ADAPTERS)}' in text
+    # the engine thread's time per step phase: requests were served above, so dispatch time is positive
+    phases = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("slora_engine_host_seconds{")}
+    assert set(phases) == {"schedule", "dispatch", "prefetch", "wait", "append"}
+    assert phases["dispatch"] > 0
 
 
 @pytest.mark.parametrize("text", ["plain ascii words", "h\u00e9llo w\u00f6rld \U0001f600 \u00fcn\u00efc\u00f8d\u00e9",

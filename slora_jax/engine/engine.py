@@ -86,7 +86,8 @@ class Engine:
     def from_model_dir(cls, model_dir: str | Path, ecfg: EngineConfig, adapters: dict[str, str | Path] | None = None,
                        adapter_dir: str | Path | None = None, tokenizer=None, interpret: bool | None = None,
                        progress: bool = True) -> Engine:
-        cfg, params = load_params(model_dir, dtype=jnp.dtype(ecfg.dtype), progress=progress)
+        stacked = resolve_layer_loop(ecfg.layer_loop, jax.default_backend()) == "scan"
+        cfg, params = load_params(model_dir, dtype=jnp.dtype(ecfg.dtype), progress=progress, stacked=stacked)
         engine = cls(cfg, params, ecfg, tokenizer=tokenizer, interpret=interpret)
         if adapter_dir is not None:
             engine.store.register_dir(adapter_dir)

@@ -38,15 +38,18 @@ def read_hf_tensors(model_dir: str | Path, progress: bool = True) -> dict[str, n
     return tensors
 
 
-def load_params(model_dir: str | Path, dtype=jnp.bfloat16, progress: bool = True) -> tuple[ModelConfig, dict]:
-    """(config, params) for the model in ``model_dir``; weights cast to ``dtype``."""
+def load_params(model_dir: str | Path, dtype=jnp.bfloat16, progress: bool = True,
+                stacked: bool = True) -> tuple[ModelConfig, dict]:
+    """(config, params) for the model in ``model_dir``; weights cast to ``dtype``. ``stacked``: layers as one
+    {name: array[L, ...]} dict (for ``lax.scan``), else a list of per-layer dicts (an unrolled loop), made straight
+    from the host copy so the device never holds both layouts."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     hf = read_hf_tensors(model_dir, progress=progress)
-    return cfg, params_from_hf(cfg, hf, dtype)
+    return cfg, params_from_hf(cfg, hf, dtype, stacked=stacked)
 
 
-def params_from_hf(cfg: ModelConfig, hf: dict[str, np.ndarray], dtype) -> dict:
+def params_from_hf(cfg: ModelConfig, hf: dict[str, np.ndarray], dtype, stacked: bool = True) -> dict:
     """Map HF names to our layout: kernels are [d_in, d_out]; q,k,v and gate,up fused."""
 
     def take(name: str) -> np.ndarray:
@@ -75,7 +78,7 @@ def params_from_hf(cfg: ModelConfig, hf: dict[str, np.ndarray], dtype) -> dict:
         lm_head = take("lm_head.weight").T
     params = {
         "embed": embed,
-        "layers": stack_layer_params(layers),
+        "layers": stack_layer_params(layers) if stacked else layers,
         "norm": {"weight": take("model.norm.weight")},
         "lm_head": lm_head,
     }
@@ -85,4 +88,6 @@ def params_from_hf(cfg: ModelConfig, hf: dict[str, np.ndarray], dtype) -> dict:
 def _cast(tree, dtype):
     if isinstance(tree, dict):
         return {k: _cast(v, dtype) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_cast(v, dtype) for v in tree]
     return jnp.asarray(tree, dtype=dtype)

@@ -104,10 +104,11 @@ def _default_pool_bytes(on_gpu: bool) -> int:
 
 def build_server(args: argparse.Namespace):
     """Load the model and adapters, warm up, and return a ready-to-run :class:`Server`."""
+    import jax
     import jax.numpy as jnp
     from tqdm import tqdm
 
-    from ..engine.config import EngineConfig
+    from ..engine.config import EngineConfig, resolve_layer_loop
     from ..engine.engine import Engine
     from ..lora.peft import AdapterError, load_peft_adapter
     from ..model.loader import load_params
@@ -133,7 +134,8 @@ def build_server(args: argparse.Namespace):
     lora_modules = parse_lora_modules(args.lora_modules)
 
     log.info("loading %s (%s, backend %s)", model_dir, dtype, backend)
-    cfg, params = load_params(model_dir, dtype=jnp.dtype(dtype), progress=True)
+    stacked = resolve_layer_loop(args.layer_loop, jax.default_backend()) == "scan"  # load in the engine's layout
+    cfg, params = load_params(model_dir, dtype=jnp.dtype(dtype), progress=True, stacked=stacked)
     max_len = args.max_model_len or min(cfg.max_position_embeddings, 2048)
     pool_bytes = None if args.num_pages else int(args.pool_gb * 2**30) if args.pool_gb else _default_pool_bytes(on_gpu)
     ecfg = EngineConfig(

@@ -18,8 +18,8 @@ _TIER_KEYS = {
     "disk": ("registered", "disk"),  # every registered adapter has its source (disk) copy
 }
 # AdapterStore.stats() counters worth exporting as they are.
-_STORE_STATS = ("pinned", "loading", "failed", "hits", "misses", "evictions", "loads", "prefetch_loads", "host_loads",
-                "host_evictions", "load_errors", "host_bytes", "resident_pages")
+_STORE_STATS = ("pinned", "loading", "failed", "hits", "misses", "evictions", "loads", "prefetch_loads", "staged_loads",
+                "host_loads", "host_evictions", "load_errors", "host_bytes", "resident_pages")
 
 
 def _number(v) -> float | None:
@@ -65,6 +65,9 @@ class ServerMetrics:
                                    "pinned, host_bytes, ...)", ["stat"], registry=r)
         self.steps = Gauge(f"{p}_engine_steps", "Engine steps taken", registry=r)
         self.step_failures = Gauge(f"{p}_engine_step_failures", "Engine steps that raised", registry=r)
+        self.host_seconds = Gauge(f"{p}_engine_host_seconds", "Engine-thread seconds per step phase (schedule, "
+                                  "dispatch, prefetch, wait, append); little 'wait' = the host sets the pace",
+                                  ["phase"], registry=r)
 
     def refresh(self, stats: dict, step_failures: int = 0) -> None:
         """Set the gauges from ``engine.stats()``; missing keys leave a gauge as it was."""
@@ -74,6 +77,8 @@ class ServerMetrics:
             if v is not None:
                 gauge.set(v)
         self.step_failures.set(step_failures)
+        for phase, seconds in (stats.get("step_seconds") or {}).items():
+            self.host_seconds.labels(phase).set(seconds)
         pool = stats.get("pool") or {}
         for kind, key in (("kv", "pages_kv"), ("adapter", "pages_adapter"), ("free", "pages_free")):
             if key in pool:
