@@ -513,14 +513,16 @@ def test_prefetch_reads_then_loads_without_pinning(make_store, tiny_cfg, rng):
     store2 = make_store(num_pages=20, max_slots=4)
     for name in "ab":
         store2.register(name, adapters["x"])
-    wait_host(store2, "a", "b")
+    wait_host(store2, "a", "b")  # read without staging (not by prefetch)
+    store2.prefetch(["a", "b"])  # copied to the device on IO threads first: nothing loads on this thread yet
+    assert store2.resident() == [] and store2.stats()["staged_loads"] == 0
+    wait_stagings(store2, 2)
     store2.prefetch(["a", "b"], keep_free_pages=7)  # 7 pages each of 20: a fits, b would leave only 6 free
     assert store2.resident() == ["a"]
     store2.prefetch(["a", "b"], max_pool_loads=0)
     assert store2.resident() == ["a"]
-    wait_stagings(store2, 1)  # b, left out, was staged for later
     store2.prefetch(["b"])
-    assert store2.resident() == ["a", "b"]
+    assert store2.resident() == ["a", "b"] and store2.stats()["staged_loads"] == 2
 
 
 def test_warmup_compiles_every_load_bucket_once(make_store, tiny_cfg, rng):

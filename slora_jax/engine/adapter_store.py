@@ -505,11 +505,25 @@ class AdapterStore:
         load = self._loads.get(name)
         if load is None and self._closed:
             return _done(error=AdapterError(name, "adapter store closed"))
-        if load is None:
-            self._io_counts["host_misses"] += 1
-            load = self._loads[name] = _HostLoad(entry, Future())
-            self._executor.submit(self._run_load, load)
+        return load.future if load is not None else self._start_read_locked(entry)
+
+    def _start_read_locked(self, entry: _Entry) -> Future:
+        self._io_counts["host_misses"] += 1
+        load = self._loads[entry.name] = _HostLoad(entry, Future())
+        self._executor.submit(self._run_load, load)
         return load.future
+
+    def read_ahead(self, names: Iterable[str]) -> None:
+        """Engine thread: start host reads for adapters further back in the waiting queue; nothing else (no device
+        staging, no pool loads, no LRU moves), so requests deep in a queue never push the head's staged pages out."""
+        with self._lock:
+            if self._closed:
+                return
+            for name in dict.fromkeys(names):
+                entry = self._entries.get(name)
+                if (entry is not None and name not in self._lru and name not in self._host and name not in self._loads
+                        and name not in self._errors):
+                    self._start_read_locked(entry)
 
     def _run_load(self, load: _HostLoad, inline: bool = False) -> None:
         """Read one adapter from its source (IO thread, or inline from ``acquire``); never raises for bad adapters.
@@ -658,12 +672,12 @@ class AdapterStore:
                     del self._staged[name]
         _finish(staging.future, staged, None if staged is not None else AdapterError(name, "not staged"))
 
-    def _staging_pending(self, name: str, rows: AdapterRows) -> bool:
-        """Engine thread: a staging of exactly these rows is queued or running on an IO thread (not done yet)."""
+    def _staged_ready(self, name: str, rows: AdapterRows) -> bool:
+        """Engine thread: pages staged from exactly these rows are on the device now."""
         with self._lock:
             staging = self._staged.get(name)
             return (staging is not None and staging.entry is self._entries.get(name)
-                    and staging.rows is rows and not staging.future.done())
+                    and staging.rows is rows and staging.future.done())
 
     def _take_staged(self, name: str, rows: AdapterRows, wait: bool) -> StagedPages | None:
         """Engine thread, lock not held: this adapter's staged pages if made from exactly ``rows`` of its current
@@ -813,10 +827,13 @@ class AdapterStore:
                     ready.append((name, rows))
         protect = set(names)
         loads = 0
-        waiting = []
+        waiting: list[tuple[str, AdapterRows]] = []
         for name, rows in ready:
-            if self._staging_pending(name, rows):
-                continue  # an IO thread is staging it: load it at a later call, not by staging again on this thread
+            if self.max_staged and not self._staged_ready(name, rows):
+                # copied to the device on an IO thread first (staged below, or in flight), loaded at a later call:
+                # a copy on this thread would hold up the step the engine is about to build
+                waiting.append((name, rows))
+                continue
             if ((max_pool_loads is None or loads < max_pool_loads)
                     and self._make_room(rows.pages_needed(self.pool.page_rows), protect, keep_free_pages)):
                 self._load(name, rows)

@@ -34,6 +34,11 @@ from .scheduler import Scheduler, pages_for
 from .sequence import RequestOutput, Sequence, Status
 from .step_runner import StepItem, StepRunner, lora_variant
 
+# Adapters of the first max_prefill_seqs waiting requests are prefetched (host read, device staging, pool load when
+# there is room); those of the next (READ_AHEAD - 1) * max_prefill_seqs are only read into host memory. Staging
+# deeper (as every add_request once did) pushed the head's staged pages out of the bounded staging area.
+READ_AHEAD = 4
+
 
 class StepTiming(NamedTuple):
     """Host seconds in each phase of one :meth:`Engine.step`. ``wait`` is the host blocked on the device (the
@@ -128,7 +133,11 @@ class Engine:
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         if adapter is not None:
-            self.store.prefetch([adapter])
+            position = len(self.scheduler.waiting)
+            if position <= self.ecfg.max_prefill_seqs:  # in the head: get it onto the device now
+                self.store.prefetch([adapter])
+            elif position <= READ_AHEAD * self.ecfg.max_prefill_seqs:
+                self.store.read_ahead([adapter])
         return seq.request_id
 
     def abort(self, request_id: str) -> bool:
@@ -178,11 +187,14 @@ class Engine:
             for row, seq in enumerate(plan.seqs):
                 seq.inflight = row
             self._inflight = (plan.seqs, list(range(len(plan.seqs))), next_ids)
-            head = list(itertools.islice(self.scheduler.waiting, self.ecfg.max_prefill_seqs))
+            n_head = self.ecfg.max_prefill_seqs
+            head = list(itertools.islice(self.scheduler.waiting, READ_AHEAD * n_head))
+            head, behind = head[:n_head], head[n_head:]
             # leave the head's worst-case KV free: an adapter loaded into pages that admission then reclaims for that
             # KV is evicted unused and loaded again next step (thrash seen at 2000 adapters in a 24 GiB pool)
             head_kv = sum(pages_for(s.max_total_tokens, self.ecfg.page_size) for s in head)
             self.store.prefetch([s.adapter for s in head if s.adapter is not None], keep_free_pages=head_kv)
+            self.store.read_ahead(s.adapter for s in behind if s.adapter is not None)
         t3 = time.perf_counter()
         t4 = t3
         if previous is not None:
