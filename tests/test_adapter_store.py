@@ -640,6 +640,56 @@ def test_prefetch_waits_for_a_staging_in_flight_instead_of_staging_again(make_st
     assert_holds(store, "z", adapters["z"])
 
 
+def test_read_ahead_reads_only_into_free_host_room(make_store, tiny_cfg, rng):
+    """Reads for requests deep in the queue never evict the head's cached rows or staged pages, and stop where the
+    host tier is full (no read that would be thrown away again)."""
+    adapters = {f"a{i}": random_adapter(tiny_cfg, rng, f"a{i}", ranks=(4,)) for i in range(8)}
+    store = make_store(num_pages=64, max_slots=1, max_host_adapters=4)
+    for name, adapter in adapters.items():
+        store.register(name, adapter)
+    store.acquire("a0")  # the only slot is pinned: the head stays staged, not loaded
+    store.prefetch(["a1", "a2"])
+    wait_host(store, "a1", "a2")
+    wait_stagings(store, 2)
+    host_before = store.stats()["in_host"]
+    store.read_ahead([f"a{i}" for i in range(3, 8)])  # 4 host slots, 3 taken: one read fits
+    deadline = time.monotonic() + 30
+    while store.stats()["loading"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = store.stats()
+    assert stats["read_aheads"] == 4 - host_before == 1
+    assert store.in_host("a1") and store.in_host("a2") and store.in_host("a3") and stats["host_evictions"] == 0
+    assert stats["staged"] == 2
+    store.read_ahead(["a4", "a5"])  # full: nothing starts
+    assert store.stats()["read_aheads"] == 1
+
+    none = make_store(num_pages=64, max_slots=1, max_host_adapters=0)
+    none.register("x", adapters["a0"])
+    none.read_ahead(["x"])
+    assert none.stats()["read_aheads"] == 0 and none.stats()["host_misses"] == 0
+
+
+def test_prefetch_loads_inline_after_a_staging_failure(make_store, tiny_cfg, rng):
+    """Staging is an optimisation: when it fails, prefetch still loads the adapter (on the calling thread)."""
+    store = make_store(num_pages=64, max_slots=2)
+    adapter = random_adapter(tiny_cfg, rng, "x", ranks=(4,))
+    store.register("x", adapter)
+    stage = store.pool.stage
+
+    def failing(rows, **kw):
+        if threading.current_thread().name.startswith("adapter-io"):
+            raise RuntimeError("out of device memory (simulated)")
+        return stage(rows, **kw)
+
+    store.pool.stage = failing
+    store.prefetch(["x"])  # read, then the staging fails on the IO thread
+    wait_host(store, "x")
+    assert not store.is_resident("x") and store.stats()["stagings"] == 0
+    store.prefetch(["x"])
+    assert store.is_resident("x") and store.stats()["prefetch_loads"] == 1
+    assert_holds(store, "x", adapter)
+
+
 def test_staged_pages_are_dropped_and_never_cross_names(make_store, tiny_cfg, rng):
     store = make_store(num_pages=128, max_slots=4, max_staged=2)
     adapters = {n: random_adapter(tiny_cfg, rng, n, ranks=(4, 8)) for n in "abcd"}

@@ -349,3 +349,13 @@ def test_seeds_differing_above_32_bits_differ(eng):
     a, b = (_alone(eng, prompt, None, SamplingParams(max_tokens=12, temperature=1.5, seed=s, ignore_eos=True))
             for s in (5, 5 + 2**32))
     assert a != b
+
+
+def test_staging_area_smaller_than_the_prefill_head_is_refused():
+    from slora_jax.engine.config import EngineConfig
+
+    base = dict(num_pages=64, max_prefill_seqs=16, max_prefill_tokens=2048)
+    EngineConfig(**base, max_staged_adapters=0).validate()  # off
+    EngineConfig(**base, max_staged_adapters=16).validate()
+    with pytest.raises(ValueError, match="max_staged_adapters"):
+        EngineConfig(**base, max_staged_adapters=8).validate()

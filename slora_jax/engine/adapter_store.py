@@ -379,6 +379,7 @@ class AdapterStore:
         self._host_bytes = 0
         self._loads: dict[str, _HostLoad] = {}
         self._staged: OrderedDict[str, _Staging] = OrderedDict()  # oldest first
+        self._stage_failed: set[str] = set()  # staging raised: prefetch loads these inline (cleared by a pool load)
         self._io_counts: Counter[str] = Counter()
         # engine thread only
         self._lru: OrderedDict[str, int] = OrderedDict()  # resident name -> pages, least recently used first
@@ -440,6 +441,7 @@ class AdapterStore:
             if self._entries.pop(name, None) is None:
                 raise KeyError(f"adapter {name!r} is not registered")
             self._errors.pop(name, None)
+            self._stage_failed.discard(name)
             self._drop_host(name)
             self._drop_staged(name)
             load = self._loads.pop(name, None)
@@ -514,16 +516,29 @@ class AdapterStore:
         return load.future
 
     def read_ahead(self, names: Iterable[str]) -> None:
-        """Engine thread: start host reads for adapters further back in the waiting queue; nothing else (no device
-        staging, no pool loads, no LRU moves), so requests deep in a queue never push the head's staged pages out."""
+        """Engine thread: start host reads for adapters further back in the waiting queue, only into free host room
+        (budget and count, counting reads in flight), so they never evict cached rows (or staged pages) of the
+        queue's head; nothing else (no staging, no pool loads, no LRU moves)."""
         with self._lock:
             if self._closed:
                 return
+            page_bytes = self.pool.page_bytes  # rows of an adapter of n pool pages take at most n * page_bytes
+            in_flight = sum(load.entry.pages for load in self._loads.values()) * page_bytes
+            room = self.host_budget_bytes - self._host_bytes - in_flight
+            slots = (None if self.max_host_adapters is None
+                     else self.max_host_adapters - len(self._host) - len(self._loads))
             for name in dict.fromkeys(names):
                 entry = self._entries.get(name)
-                if (entry is not None and name not in self._lru and name not in self._host and name not in self._loads
-                        and name not in self._errors):
-                    self._start_read_locked(entry)
+                if (entry is None or name in self._lru or name in self._host or name in self._loads
+                        or name in self._errors):
+                    continue
+                size = entry.pages * page_bytes
+                if size > room or (slots is not None and slots < 1):
+                    break  # in queue order: what does not fit now is read when it gets nearer the head
+                self._start_read_locked(entry)
+                self._io_counts["read_aheads"] += 1
+                room -= size
+                slots = None if slots is None else slots - 1
 
     def _run_load(self, load: _HostLoad, inline: bool = False) -> None:
         """Read one adapter from its source (IO thread, or inline from ``acquire``); never raises for bad adapters.
@@ -653,6 +668,8 @@ class AdapterStore:
             staged = self.pool.stage(rows)
         except Exception as e:  # e.g. device memory short: the load will stage inline instead
             log.warning("staging adapter %r failed: %s: %s", name, type(e).__name__, e)
+            with self._lock:
+                self._stage_failed.add(name)  # prefetch loads it inline rather than asking for staging forever
             return None
         with self._lock:
             self._io_counts["stagings"] += 1
@@ -798,9 +815,12 @@ class AdapterStore:
     def prefetch(self, names: Iterable[str], *, keep_free_pages: int = 0, max_pool_loads: int | None = None) -> None:
         """Get the waiting queue's next adapters ready without blocking (``names``: head of the queue first).
 
-        Host reads start for adapters not in host memory; adapters already there are loaded into the pool if a slot
-        and pages are free, evicting only unpinned adapters that are not in ``names`` (never pinned ones) and
-        leaving ``keep_free_pages`` pages free. Resident ones just move to most recently used. Nothing is pinned.
+        Host reads start for adapters not in host memory (each staged on the device by its IO thread after the
+        read). Adapters in host memory whose staged pages are on the device are loaded into the pool if a slot and
+        pages are free, evicting only unpinned adapters that are not in ``names`` (never pinned ones) and leaving
+        ``keep_free_pages`` pages free; the others are staged on an IO thread and loaded by a later call (with
+        staging off, ``max_staged=0``, or after a staging failed, they load here). Resident ones just move to most
+        recently used. Nothing is pinned.
         """
         names = list(dict.fromkeys(names))
         todo = []
@@ -829,7 +849,7 @@ class AdapterStore:
         loads = 0
         waiting: list[tuple[str, AdapterRows]] = []
         for name, rows in ready:
-            if self.max_staged and not self._staged_ready(name, rows):
+            if self.max_staged and name not in self._stage_failed and not self._staged_ready(name, rows):
                 # copied to the device on an IO thread first (staged below, or in flight), loaded at a later call:
                 # a copy on this thread would hold up the step the engine is about to build
                 waiting.append((name, rows))
@@ -888,7 +908,7 @@ class AdapterStore:
         resident = set(self._lru)
         keys = ("hits", "misses", "evictions", "loads", "prefetch_loads", "staged_loads")
         io_keys = ("host_hits", "host_misses", "host_loads", "host_evictions", "host_too_large", "load_errors",
-                   "stagings", "staged_dropped")
+                   "stagings", "staged_dropped", "read_aheads")
         return {
             "registered": registered,
             "resident": len(resident),
@@ -978,6 +998,9 @@ class AdapterStore:
         """Load into the pool, using pages an IO thread staged when ready (``wait_staged``: or being staged now)."""
         staged = self._take_staged(name, rows, wait_staged)
         slot = self.pool.load_adapter(name, rows, staged)
+        if self._stage_failed:
+            with self._lock:
+                self._stage_failed.discard(name)
         if staged is not None:
             self._counts["staged_loads"] += 1
         pages = len(self.pool.adapter_pages(name))

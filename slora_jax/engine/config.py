@@ -36,8 +36,9 @@ class EngineConfig:
     max_loras: int = 64  # adapters resident in the pool at once (slots)
     max_cpu_loras: int | None = None  # adapters kept in host memory (None: bounded by host_budget_bytes only)
     host_budget_bytes: int = 8 << 30
-    # adapters copied to the device ahead of their pool load (device memory outside the pool); at least the
-    # prefill head the engine prefetches for, or stagings are dropped before their load and redone on the engine thread
+    # adapters copied to the device ahead of their pool load (device memory outside the pool: up to this many of the
+    # largest adapters); 0 = off, else at least max_prefill_seqs (the head the engine prefetches for), or the head's
+    # stagings push each other out and its adapters are copied at admission, on the engine thread
     max_staged_adapters: int = 32
     pool_bytes: int | None = None  # memory budget of the unified pool
     num_pages: int | None = None  # or an explicit page count (tests)
@@ -71,8 +72,9 @@ class EngineConfig:
                      "max_lora_rank", "max_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.max_staged_adapters < 0:
-            raise ValueError("max_staged_adapters must be >= 0")
+        if self.max_staged_adapters != 0 and self.max_staged_adapters < self.max_prefill_seqs:
+            raise ValueError(f"max_staged_adapters must be 0 (off) or >= max_prefill_seqs ({self.max_prefill_seqs}), "
+                             f"got {self.max_staged_adapters}")
         if self.page_size & (self.page_size - 1):
             raise ValueError("page_size must be a power of two")
         if self.max_prefill_tokens < self.max_model_len:

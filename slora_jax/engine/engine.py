@@ -10,6 +10,7 @@ while the device works -> append tokens, stop, free. Usable offline in a few lin
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +34,8 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler, pages_for
 from .sequence import RequestOutput, Sequence, Status
 from .step_runner import StepItem, StepRunner, lora_variant
+
+log = logging.getLogger(__name__)
 
 # Adapters of the first max_prefill_seqs waiting requests are prefetched (host read, device staging, pool load when
 # there is room); those of the next (READ_AHEAD - 1) * max_prefill_seqs are only read into host memory. Staging
@@ -135,7 +138,7 @@ class Engine:
         if adapter is not None:
             position = len(self.scheduler.waiting)
             if position <= self.ecfg.max_prefill_seqs:  # in the head: get it onto the device now
-                self.store.prefetch([adapter])
+                self._prefetch_head(read_ahead=False)
             elif position <= READ_AHEAD * self.ecfg.max_prefill_seqs:
                 self.store.read_ahead([adapter])
         return seq.request_id
@@ -187,14 +190,7 @@ class Engine:
             for row, seq in enumerate(plan.seqs):
                 seq.inflight = row
             self._inflight = (plan.seqs, list(range(len(plan.seqs))), next_ids)
-            n_head = self.ecfg.max_prefill_seqs
-            head = list(itertools.islice(self.scheduler.waiting, READ_AHEAD * n_head))
-            head, behind = head[:n_head], head[n_head:]
-            # leave the head's worst-case KV free: an adapter loaded into pages that admission then reclaims for that
-            # KV is evicted unused and loaded again next step (thrash seen at 2000 adapters in a 24 GiB pool)
-            head_kv = sum(pages_for(s.max_total_tokens, self.ecfg.page_size) for s in head)
-            self.store.prefetch([s.adapter for s in head if s.adapter is not None], keep_free_pages=head_kv)
-            self.store.read_ahead(s.adapter for s in behind if s.adapter is not None)
+            self._prefetch_head()
         t3 = time.perf_counter()
         t4 = t3
         if previous is not None:
@@ -207,6 +203,21 @@ class Engine:
         else:
             self._record_timing((t1 - t0, t2 - t1, t3 - t2, 0.0, time.perf_counter() - t3))
         return outputs
+
+    def _prefetch_head(self, read_ahead: bool = True) -> None:
+        """Adapters for the head of the waiting queue: onto the device (and into the pool where there is room);
+        host reads only for the requests behind it. An optimisation: a failure here is logged, never raised."""
+        n_head = self.ecfg.max_prefill_seqs
+        queue = list(itertools.islice(self.scheduler.waiting, READ_AHEAD * n_head if read_ahead else n_head))
+        head, behind = queue[:n_head], queue[n_head:]
+        # leave the head's worst-case KV free: an adapter loaded into pages that admission then reclaims for that KV
+        # is evicted unused and loaded again next step (thrash seen at 2000 adapters in a 24 GiB pool)
+        head_kv = sum(pages_for(s.max_total_tokens, self.ecfg.page_size) for s in head)
+        try:
+            self.store.prefetch([s.adapter for s in head if s.adapter is not None], keep_free_pages=head_kv)
+            self.store.read_ahead(s.adapter for s in behind if s.adapter is not None)
+        except Exception:  # noqa: BLE001 - admission loads what prefetch could not
+            log.warning("adapter prefetch failed", exc_info=True)
 
     def _record_timing(self, phases: tuple[float, ...]) -> None:
         self.last_timing = StepTiming(*phases)

@@ -51,10 +51,7 @@ LORA_VARIANTS: dict[str, tuple[int, ...]] = {
 def lora_variant(targets: np.ndarray) -> str:
     """The smallest variant whose projections include every True entry of ``targets`` (bool[len(MODULES)])."""
     want = set(np.flatnonzero(targets).tolist())
-    for name, mods in LORA_VARIANTS.items():
-        if want <= set(mods):
-            return name
-    return "all"
+    return next(name for name, mods in LORA_VARIANTS.items() if want <= set(mods))  # "all" covers every set
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -149,7 +146,11 @@ class StepRunner:
     # ---------------------------------------------------------------- running
     def step_fn(self, kind: str, lora: str = "all"):
         """The jitted step: ``fn(layout, params, pool, table, packed, prev_tokens) -> (token ids, pool)``."""
-        return self._prefill if kind == "prefill" else self._decode.get(lora, self._decode["all"])
+        if kind == "prefill":
+            return self._prefill
+        if lora not in LORA_VARIANTS:
+            raise ValueError(f"unknown LoRA variant {lora!r} (one of {tuple(LORA_VARIANTS)})")
+        return self._decode.get(lora, self._decode["all"])  # variants off: "all" serves every batch
 
     def prefill(self, params, pool, table, items: list[StepItem]) -> tuple[jax.Array, jax.Array]:
         """Dispatch a prefill step; returns (next token ids [out_rows], pool) without waiting."""

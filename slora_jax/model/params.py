@@ -16,6 +16,8 @@ def stack_layer_params(layers: list[dict]) -> dict:
 def param_bytes(params) -> int:
     if isinstance(params, dict):
         return sum(param_bytes(v) for v in params.values())
+    if isinstance(params, list | tuple):  # per-layer dicts of an unrolled loop
+        return sum(param_bytes(v) for v in params)
     return int(params.size) * params.dtype.itemsize
 
 

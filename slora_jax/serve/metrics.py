@@ -65,9 +65,9 @@ class ServerMetrics:
                                    "pinned, host_bytes, ...)", ["stat"], registry=r)
         self.steps = Gauge(f"{p}_engine_steps", "Engine steps taken", registry=r)
         self.step_failures = Gauge(f"{p}_engine_step_failures", "Engine steps that raised", registry=r)
-        self.host_seconds = Gauge(f"{p}_engine_host_seconds", "Engine-thread seconds per step phase (schedule, "
-                                  "dispatch, prefetch, wait, append); little 'wait' = the host sets the pace",
-                                  ["phase"], registry=r)
+        self.host_seconds = Gauge(f"{p}_engine_host_seconds", "Engine-thread seconds since start, summed per step "
+                                  "phase (schedule, dispatch, prefetch, wait, append); little 'wait' = the host sets "
+                                  "the pace", ["phase"], registry=r)
 
     def refresh(self, stats: dict, step_failures: int = 0) -> None:
         """Set the gauges from ``engine.stats()``; missing keys leave a gauge as it was."""
