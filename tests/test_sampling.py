@@ -10,7 +10,7 @@ import pytest
 from slora_jax.engine.sampling import SamplingArrays, SamplingParams, sampling_arrays
 from slora_jax.engine.sampling import sample as _sample
 
-sample = jax.jit(_sample)  # eager lax.cond would compile on every call
+sample = jax.jit(_sample)
 
 
 def _arrays(params, seeds, counters):
@@ -38,6 +38,21 @@ def test_top_k_and_top_p_never_leave_their_set():
         k = int(sample(jnp.asarray(logits), _arrays([SamplingParams(temperature=1.0, top_k=5)], [seed], [0]))[0])
         p = int(sample(jnp.asarray(logits), _arrays([SamplingParams(temperature=1.0, top_p=0.6)], [seed], [0]))[0])
         assert k in top5 and p in nucleus
+
+
+def test_a_nan_logit_is_never_chosen_and_spoils_nothing_else():
+    rng = np.random.default_rng()
+    logits = rng.standard_normal((4, 30)).astype(np.float32) * 2
+    bad = int(rng.integers(30))
+    logits[:, bad] = np.nan
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.0, top_k=4), SamplingParams(temperature=0.8, top_p=0.7)]
+    clean = np.where(np.isnan(logits), -np.inf, logits)
+    for seed in range(20):
+        out = np.asarray(sample(jnp.asarray(logits), _arrays(params, [seed] * 4, [0] * 4)))
+        assert bad not in out
+        assert out[0] == clean[0].argmax()
+        assert out[2] in set(np.argsort(-clean[2])[:4])
 
 
 def test_temperature_sampling_follows_the_softmax():

@@ -79,6 +79,7 @@ def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     without top-k/top-p get a threshold that masks nothing, so one branch-free path serves every row.
     """
     logits = logits.astype(jnp.float32)
+    logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)  # a NaN would win the argmax and poison the sort
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     masked = jnp.where(scaled >= _filter_threshold(scaled, s), scaled, -jnp.inf)

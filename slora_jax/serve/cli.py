@@ -144,6 +144,7 @@ def build_server(args: argparse.Namespace):
         max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
         pool_bytes=pool_bytes, num_pages=args.num_pages, dtype=dtype, backend=backend, max_waiting=args.max_waiting,
         layer_loop=args.layer_loop,
+        decode_lora_variants=on_gpu,  # fewer kernel launches matter on a GPU; on CPU they only triple decode compiles
         **(GPU_TILES if on_gpu else {}))
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:
