@@ -11,7 +11,6 @@ import collections
 import sys
 
 import jax
-import numpy as np
 
 from slora_jax.engine.config import EngineConfig
 from slora_jax.engine.engine import Engine
@@ -43,11 +42,8 @@ def main() -> None:
     shape = f"{dt}[{','.join(map(str, eng.pool.array.shape))}]"
     item = StepItem([5, 6, 7], 0, [1], -1, None, 0, 0)
     for kind in ("decode", "prefill"):
-        if kind == "decode":
-            packed, layout = pack_inputs(*eng.runner.build_decode([item]))
-        else:
-            batch, s = eng.runner.build_prefill([item])
-            packed, layout = pack_inputs(batch, s, np.full(batch.tokens.shape, -1, np.int32))
+        build = eng.runner.build_decode if kind == "decode" else eng.runner.build_prefill
+        packed, layout = pack_inputs(*build([item]))
         comp = eng.runner.step_fn(kind).lower(layout, eng.params, eng.pool.array, eng.pool.table, packed,
                                               eng.runner._no_prev).compile()
         ma = comp.memory_analysis()

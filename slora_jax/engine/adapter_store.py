@@ -689,12 +689,15 @@ class AdapterStore:
                     del self._staged[name]
         _finish(staging.future, staged, None if staged is not None else AdapterError(name, "not staged"))
 
+    def _staging_of_locked(self, staging: _Staging | None, name: str, rows: AdapterRows) -> bool:
+        """``staging`` was made from exactly ``rows`` of ``name``'s current registration."""
+        return staging is not None and staging.rows is rows and staging.entry is self._entries.get(name)
+
     def _staged_ready(self, name: str, rows: AdapterRows) -> bool:
         """Engine thread: pages staged from exactly these rows are on the device now."""
         with self._lock:
             staging = self._staged.get(name)
-            return (staging is not None and staging.entry is self._entries.get(name)
-                    and staging.rows is rows and staging.future.done())
+            return self._staging_of_locked(staging, name, rows) and staging.future.done()
 
     def _take_staged(self, name: str, rows: AdapterRows, wait: bool) -> StagedPages | None:
         """Engine thread, lock not held: this adapter's staged pages if made from exactly ``rows`` of its current
@@ -703,8 +706,7 @@ class AdapterStore:
             staging = self._staged.pop(name, None)
             if staging is None:
                 return None
-            usable = staging.rows is rows and staging.entry is self._entries.get(name)
-            if not usable or not staging.claimed:
+            if not self._staging_of_locked(staging, name, rows) or not staging.claimed:
                 staging.claimed = True  # not started: cheaper to stage inline than to wait in the queue
                 return None
         if not staging.future.done() and not wait:

@@ -24,7 +24,7 @@ from ..lora.peft import AdapterError
 from ..model.config import ModelConfig
 from ..model.loader import load_params
 from ..model.paged import check_backend
-from ..model.params import unstack_layer_params
+from ..model.params import stack_layer_params, unstack_layer_params
 from . import compile_counter
 from .adapter_store import AdapterStore
 from .config import EngineConfig, resolve_layer_loop
@@ -68,7 +68,7 @@ class Engine:
         if self.layer_loop == "unroll" and not unrolled:
             params = dict(params, layers=unstack_layer_params(params["layers"]))
         elif self.layer_loop == "scan" and unrolled:
-            params = dict(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"]))
+            params = dict(params, layers=stack_layer_params(params["layers"]))
         self.params = params
         check_backend(ecfg.backend)
         self.tokenizer = tokenizer

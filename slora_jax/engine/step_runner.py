@@ -154,8 +154,7 @@ class StepRunner:
 
     def prefill(self, params, pool, table, items: list[StepItem]) -> tuple[jax.Array, jax.Array]:
         """Dispatch a prefill step; returns (next token ids [out_rows], pool) without waiting."""
-        batch, s = self.build_prefill(items)
-        packed, layout = pack_inputs(batch, s, np.full(batch.tokens.shape, -1, np.int32))
+        packed, layout = pack_inputs(*self.build_prefill(items))
         return self._prefill(layout, params, pool, table, packed, self._no_prev)
 
     def decode(self, params, pool, table, items: list[StepItem], prev_tokens: jax.Array | None = None,
@@ -173,11 +172,8 @@ class StepRunner:
         jobs = [("prefill", n, None) for n in ecfg.prefill_buckets]
         jobs += [("decode", n, variant) for n in ecfg.decode_buckets for variant in self._decode]
         for kind, n, variant in tqdm(jobs, desc="compiling step buckets", disable=not progress):
-            if kind == "prefill":
-                batch, s = self.build_prefill([], n_rows=n)
-                packed, layout = pack_inputs(batch, s, np.full(n, -1, np.int32))
-            else:
-                packed, layout = pack_inputs(*self.build_decode([], n=n))
+            build = self.build_prefill([], n_rows=n) if kind == "prefill" else self.build_decode([], n=n)
+            packed, layout = pack_inputs(*build)
             tokens, pool = self.step_fn(kind, variant)(layout, params, pool, table, packed, self._no_prev)
             tokens.block_until_ready()
         return pool
@@ -188,8 +184,12 @@ class StepRunner:
 Layout = tuple[tuple[str, tuple[int, ...], str], ...]  # (field, shape, dtype) in buffer order
 
 
-def pack_inputs(batch: StepBatch, s: SamplingArrays, token_src: np.ndarray) -> tuple[np.ndarray, Layout]:
-    """(int32 buffer, its static layout); float32 / uint32 fields travel as their bit patterns."""
+def pack_inputs(batch: StepBatch, s: SamplingArrays,
+                token_src: np.ndarray | None = None) -> tuple[np.ndarray, Layout]:
+    """(int32 buffer, its static layout); float32 / uint32 fields travel as their bit patterns. ``token_src`` None:
+    every input token comes from the host (prefill)."""
+    if token_src is None:
+        token_src = np.full(batch.tokens.shape, -1, np.int32)
     arrays = [(f"batch.{f.name}", getattr(batch, f.name)) for f in dataclasses.fields(StepBatch)]
     arrays += [(f"sampling.{f.name}", getattr(s, f.name)) for f in dataclasses.fields(SamplingArrays)]
     arrays.append(("token_src", token_src))

@@ -66,10 +66,9 @@ class PagedOps:
     spec: PagedSpec
     batch: StepBatch
     table: AdapterTable
-    use_lora: bool = True
 
     def lora(self, x, y, modules, layer, pool):
-        if not self.use_lora or not any(m in self.spec.lora_modules for m in modules):
+        if not any(m in self.spec.lora_modules for m in modules):
             return y
         d_outs = tuple(self.cfg.module_dims(MODULES[m])[1] for m in modules)
         pallas, interpret, rank = self.spec.backend == "pallas", self.spec.interpret, self.spec.max_rank
@@ -107,9 +106,9 @@ class PagedOps:
 
 
 def paged_forward(cfg: ModelConfig, spec: PagedSpec, params: dict, pool: jax.Array, table: AdapterTable,
-                  batch: StepBatch, use_lora: bool = True) -> tuple[jax.Array, jax.Array]:
+                  batch: StepBatch) -> tuple[jax.Array, jax.Array]:
     """(logits float32[B, vocab] of each sequence's ``logits_rows`` row, updated pool)."""
-    ops = PagedOps(cfg, spec, batch, table, use_lora)
+    ops = PagedOps(cfg, spec, batch, table)
     return forward(cfg, params, batch.tokens, batch.positions, ops, pool, batch.logits_rows)
 
 

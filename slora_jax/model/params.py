@@ -6,11 +6,16 @@ import numpy as np
 
 
 def stack_layer_params(layers: list[dict]) -> dict:
-    """[{name: {...: array}}] * L -> {name: {...: array[L, ...]}}."""
+    """[{name: {...: array}}] * L -> {name: {...: array[L, ...]}}; numpy stays on the host, device arrays on the
+    device."""
     first = layers[0]
     if isinstance(first, dict):
         return {k: stack_layer_params([layer[k] for layer in layers]) for k in first}
-    return np.stack(layers, axis=0)
+    if isinstance(first, np.ndarray):
+        return np.stack(layers, axis=0)
+    import jax.numpy as jnp
+
+    return jnp.stack(layers, axis=0)
 
 
 def param_bytes(params) -> int:
