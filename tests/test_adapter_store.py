@@ -6,6 +6,7 @@ the DESIGN.md addressing and compared with the original weights.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import random_lora
 
 from pallas_kernels.lora_common import gather_lora_a, gather_lora_b, lora_scale, virtual_to_physical
 from slora_jax.engine import compile_counter
@@ -30,7 +32,7 @@ from slora_jax.engine.adapter_store import (
 from slora_jax.engine.pool import PagedPool
 from slora_jax.lora.peft import load_peft_adapter
 from slora_jax.lora.pool_rows import to_pool_rows
-from slora_jax.lora.weights import LoraAdapter, LoraModule
+from slora_jax.lora.weights import LoraAdapter
 from slora_jax.model.config import MODULES, ModelConfig
 from slora_jax.tools import synth
 
@@ -68,18 +70,7 @@ def seed_of(rng) -> int:
     return int(rng.integers(2**31))
 
 
-def random_adapter(cfg: ModelConfig, rng, name: str, ranks=(2, 4, 8), targets=QKVO, p_absent=0.0) -> LoraAdapter:
-    modules = {}
-    for layer in range(cfg.num_hidden_layers):
-        for mod in targets:
-            if rng.random() < p_absent:
-                continue
-            d_in, d_out = cfg.module_dims(mod)
-            r = int(rng.choice(ranks))
-            modules[(layer, mod)] = LoraModule(a=rng.standard_normal((d_in, r)).astype(np.float32),
-                                               b=rng.standard_normal((r, d_out)).astype(np.float32),
-                                               scale=float(rng.uniform(0.5, 4.0)))
-    return LoraAdapter(name, modules)
+random_adapter = functools.partial(random_lora.random_adapter, targets=QKVO)  # S-LoRA's targets unless told
 
 
 def rows_nbytes(adapter: LoraAdapter, cfg: ModelConfig) -> int:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import random_lora
 
 from pallas_kernels.lora_common import gather_lora_a, gather_lora_b, lora_scale
 from slora_jax.engine.page_allocator import ADAPTER, KV, ForeignPage, OutOfPages, owner_kind
@@ -28,24 +30,8 @@ PAGE_SIZE = 4  # page_rows = 2 * 2 * 4 = 16 vectors
 MAX_RANK = 64
 
 
-def random_adapter(rng: np.random.Generator, name: str, ranks=(4, 8, 16, 32, 64), p_absent=0.3) -> LoraAdapter:
-    """Mixed ranks, some (layer, module) pairs absent, never all-zero data."""
-    modules = {}
-    for layer in range(CFG.num_hidden_layers):
-        for mod in MODULES:
-            if rng.random() < p_absent:
-                continue
-            d_in, d_out = CFG.module_dims(mod)
-            r = int(rng.choice(ranks))
-            a = rng.standard_normal((d_in, r)).astype(np.float32) + 0.5
-            b = rng.standard_normal((r, d_out)).astype(np.float32) - 0.5
-            modules[(layer, mod)] = LoraModule(a=a, b=b, scale=float(rng.uniform(0.1, 4.0)))
-    if not modules:
-        modules[(0, "q_proj")] = LoraModule(
-            a=rng.standard_normal((64, 4)).astype(np.float32), b=rng.standard_normal((4, 64)).astype(np.float32),
-            scale=2.0,
-        )
-    return LoraAdapter(name=name, modules=modules)
+# this file's adapters: every projection, mixed ranks up to the pool's maximum, some (layer, module) pairs absent
+random_adapter = functools.partial(random_lora.random_adapter, CFG, ranks=(4, 8, 16, 32, 64), p_absent=0.3)
 
 
 def make_pool(num_pages=1024, max_slots=8, dtype=jnp.float32, max_rank=MAX_RANK) -> PagedPool:
@@ -402,11 +388,8 @@ def test_slot_modules_mirror_what_each_resident_adapter_targets():
     rng = np.random.default_rng()
     pool = make_pool(max_slots=2)
 
-    def adapter(name, targets):
-        ad = random_adapter(rng, name, p_absent=0.0)
-        return LoraAdapter(name, {k: v for k, v in ad.modules.items() if k[1] in targets})
-
-    qv, mlp = adapter("qv", ("q_proj", "v_proj")), adapter("mlp", ("down_proj",))
+    qv = random_adapter(rng, "qv", targets=("q_proj", "v_proj"), p_absent=0.0)
+    mlp = random_adapter(rng, "mlp", targets=("down_proj",), p_absent=0.0)
     s_qv = pool.load_adapter("qv", to_pool_rows(qv, CFG))
     s_mlp = pool.load_adapter("mlp", to_pool_rows(mlp, CFG))
     assert pool.slot_modules[s_qv].tolist() == [m in ("q_proj", "v_proj") for m in MODULES]
