@@ -148,6 +148,12 @@ def close(got, want, tol):
     assert err < tol, f"relative error {err:.3g} >= {tol}"
 
 
+def group_dims(world: World, modules) -> tuple[int, tuple[int, ...]]:
+    """(d_in, d_out of each module) of a projection group called together."""
+    mdims = world.dims.module_dims()
+    return mdims[modules[0]][0], tuple(mdims[m][1] for m in modules)
+
+
 def layer_max_rank(world: World, layer: int, modules) -> int:
     r = max(int(world.table.rank[s, layer, m]) for s in world.slots for m in modules)
     return 1 << max(0, r - 1).bit_length()
@@ -171,9 +177,7 @@ BGMV_CASES = [
 def test_bgmv(seed, modules, layer, n_rows, tuning):
     world = make_world(seed)
     rng = np.random.default_rng(seed + 100)
-    mdims = world.dims.module_dims()
-    d_in = mdims[modules[0]][0]
-    d_outs = tuple(mdims[m][1] for m in modules)
+    d_in, d_outs = group_dims(world, modules)
     max_rank = layer_max_rank(world, layer, modules)
     row_slot = random_rows(rng, world, n_rows)
     x = rng.normal(size=(n_rows, d_in)).astype(np.float32)
@@ -197,8 +201,7 @@ def test_bgmv_bf16():
     world = make_world(7)
     rng = np.random.default_rng(77)
     layer, modules = 1, QKV
-    mdims = world.dims.module_dims()
-    d_outs = tuple(mdims[m][1] for m in modules)
+    _, d_outs = group_dims(world, modules)
     max_rank = layer_max_rank(world, layer, modules)
     row_slot = random_rows(rng, world, 7, no_adapter=1)
     x = rng.normal(size=(7, world.dims.hidden)).astype(np.float32)
@@ -290,9 +293,7 @@ SGMV_CASES = [
 def test_sgmv(seed, modules, layer, lengths, block_t, splits):
     world = make_world(seed)
     rng = np.random.default_rng(seed + 100)
-    mdims = world.dims.module_dims()
-    d_in = mdims[modules[0]][0]
-    d_outs = tuple(mdims[m][1] for m in modules)
+    d_in, d_outs = group_dims(world, modules)
     max_rank = layer_max_rank(world, layer, modules)
     row_slot = segmented_rows(rng, world, lengths)
     n_rows = row_slot.shape[0]
@@ -321,8 +322,7 @@ def test_sgmv_bf16():
     world = make_world(15)
     rng = np.random.default_rng(115)
     layer, modules, block_t = 1, QKV, 4
-    mdims = world.dims.module_dims()
-    d_outs = tuple(mdims[m][1] for m in modules)
+    _, d_outs = group_dims(world, modules)
     max_rank = layer_max_rank(world, layer, modules)
     row_slot = segmented_rows(rng, world, (5, 2, 6, 3))
     n_rows = row_slot.shape[0]
@@ -356,11 +356,10 @@ def test_gpu_bgmv(modules, dtype, tol):
     world = make_world(21 + len(modules), GPU_DIMS, n_adapters=6, n_slots=12)
     rng = np.random.default_rng(31)
     layer = 1
-    mdims = GPU_DIMS.module_dims()
-    d_outs = tuple(mdims[m][1] for m in modules)
+    d_in, d_outs = group_dims(world, modules)
     for n_rows in (1, 37, 256):
         row_slot = random_rows(rng, world, n_rows, no_adapter=min(2, n_rows - 1))
-        x = jnp.asarray(rng.normal(size=(n_rows, mdims[modules[0]][0])), dtype)
+        x = jnp.asarray(rng.normal(size=(n_rows, d_in)), dtype)
         base = jnp.asarray(rng.normal(size=(n_rows, sum(d_outs))), dtype)
         pool, table = world.device(dtype)
         args = (jnp.asarray(layer, jnp.int32), jnp.asarray(row_slot), table)
@@ -381,13 +380,12 @@ def test_gpu_sgmv(modules, dtype, tol):
     world = make_world(41 + len(modules), GPU_DIMS, n_adapters=6, n_slots=12)
     rng = np.random.default_rng(51)
     layer, block_t = 1, 32
-    mdims = GPU_DIMS.module_dims()
-    d_outs = tuple(mdims[m][1] for m in modules)
+    d_in, d_outs = group_dims(world, modules)
     row_slot = segmented_rows(rng, world, (1, 17, 40, 3, 64, 100, 31, 9))
     n_rows = row_slot.shape[0]
     tiles = make_tiles(row_slot, block_t, num_tiles=32)
     tiles = type(tiles)(*(jnp.asarray(a) for a in tiles))
-    x = jnp.asarray(rng.normal(size=(n_rows, mdims[modules[0]][0])), dtype)
+    x = jnp.asarray(rng.normal(size=(n_rows, d_in)), dtype)
     base = jnp.asarray(rng.normal(size=(n_rows, sum(d_outs))), dtype)
     pool, table = world.device(dtype)
     la = jnp.asarray(layer, jnp.int32)
