@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from slora_jax.lora.weights import LoraAdapter, LoraModule
+from slora_jax.model.adapter_weights import LoraAdapter, LoraModule
 from slora_jax.model.config import MODULES, ModelConfig
 
 

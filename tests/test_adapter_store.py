@@ -32,7 +32,7 @@ from slora_jax.engine.adapter_store import (
 from slora_jax.engine.pool import PagedPool
 from slora_jax.lora.peft import load_peft_adapter
 from slora_jax.lora.pool_rows import to_pool_rows
-from slora_jax.lora.weights import LoraAdapter
+from slora_jax.model.adapter_weights import LoraAdapter
 from slora_jax.model.config import MODULES, ModelConfig
 from slora_jax.tools import synth
 

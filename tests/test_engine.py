@@ -9,7 +9,7 @@ from hf_reference import hf_generate
 from slora_jax.engine.config import EngineConfig
 from slora_jax.engine.engine import Engine
 from slora_jax.engine.sampling import SamplingParams
-from slora_jax.lora.weights import LoraAdapter
+from slora_jax.model.adapter_weights import LoraAdapter
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -14,7 +14,7 @@ from pallas_kernels.lora_common import gather_lora_a, gather_lora_b, lora_scale
 from slora_jax.engine.page_allocator import ADAPTER, KV, ForeignPage, OutOfPages, owner_kind
 from slora_jax.engine.pool import OutOfSlots, PagedPool, max_adapter_vectors
 from slora_jax.lora.pool_rows import to_pool_rows
-from slora_jax.lora.weights import LoraAdapter, LoraModule
+from slora_jax.model.adapter_weights import LoraAdapter, LoraModule
 from slora_jax.model.config import MODULES, ModelConfig
 
 CFG = ModelConfig(

@@ -48,7 +48,7 @@ from slora_jax.lora.peft import (
     read_adapter_config,
 )
 from slora_jax.lora.pool_rows import AdapterRows, to_pool_rows
-from slora_jax.lora.weights import LoraAdapter, LoraModule
+from slora_jax.model.adapter_weights import LoraAdapter, LoraModule
 from slora_jax.model.config import ATTN_MODULES, MODULE_INDEX, MODULES, ModelConfig, module_key
 
 __all__ = [

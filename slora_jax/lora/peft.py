@@ -15,7 +15,7 @@ import numpy as np
 from safetensors import safe_open
 
 from ..model.config import ATTN_MODULES, MODULES, ModelConfig, module_key
-from .weights import LoraAdapter, LoraModule
+from ..model.adapter_weights import LoraAdapter, LoraModule
 
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
 _KEY_RE = re.compile(

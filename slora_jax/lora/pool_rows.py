@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from pallas_kernels.lora_common import pack_offsets
-from slora_jax.lora.weights import LoraAdapter
+from slora_jax.model.adapter_weights import LoraAdapter
 from slora_jax.model.config import MODULE_INDEX, MODULES, ModelConfig
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..lora.weights import LoraAdapter
+from .adapter_weights import LoraAdapter
 from .config import MODULES, ModelConfig
 from .llama import forward
 

@@ -1,4 +1,7 @@
-"""In-memory LoRA adapter: what a validated PEFT dir becomes on the host."""
+"""In-memory LoRA adapter: what a validated PEFT dir becomes on the host.
+
+It lives in `model` (not `lora`) because the reference forward consumes it and `lora` builds on `model`: imports
+run lora -> model only, never back."""
 
 from __future__ import annotations
 
