@@ -391,17 +391,25 @@ class AdapterStore:
 
     # ---- registration ---------------------------------------------------------------------------------------
 
-    def register(self, name: str, source) -> None:
+    def register(self, name: str, source, verify: bool = False) -> None:
         """Add an adapter (a PEFT dir path, a ``LoraAdapter`` or an ``AdapterSource``) after a cheap validation.
 
-        Raises :class:`AdapterError` (naming the adapter and the reason) for one we could not serve, ValueError if
-        the name is taken.
+        ``verify``: read and check every weight now, on the calling thread (any thread), and keep the rows in host
+        memory. Raises :class:`AdapterError` (naming the adapter and the reason) for one we could not serve,
+        ValueError if the name is taken.
         """
         entry = self._validated_entry(name, as_source(source))
+        rows = None
+        if verify:
+            rows = entry.source.load_rows(name, self.model_cfg, self.max_rank, self.dtype)
+            rows.name = name
+            entry.pages = rows.pages_needed(self.pool.page_rows)
         with self._lock:
             if name in self._entries:
                 raise ValueError(f"adapter {name!r} is already registered; unregister it first")
             self._entries[name] = entry
+            if rows is not None:
+                self._insert_host(name, rows)
 
     def register_dir(self, root: str | Path, *, strict: bool = False) -> list[str]:
         """Register every subdir of ``root`` holding an ``adapter_config.json``, named after the subdir.

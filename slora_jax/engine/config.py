@@ -49,6 +49,7 @@ class EngineConfig:
     # compiles); "auto": unroll on accelerators, scan on CPU.
     layer_loop: str = "auto"
     max_waiting: int = 4096  # queue bound: beyond it add_request raises QueueFull
+    scheduling_policy: str = "fcfs"  # admission order: a name registered with scheduler.register_policy
     min_prefill_bucket: int = 16
     min_decode_bucket: int = 1  # smallest decode batch compiled (fewer buckets = shorter warm-up)
     decode_lora_variants: bool = True  # compile decode steps without MLP / without any LoRA kernels (3x buckets)

@@ -9,7 +9,7 @@ while the device works -> append tokens, stop, free. Usable offline in a few lin
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +31,7 @@ from .config import EngineConfig, resolve_layer_loop
 from .detok import IncrementalDetokenizer
 from .pool import PagedPool
 from .sampling import SamplingParams
-from .scheduler import Scheduler, pages_for
+from .scheduler import RequestRejected, Scheduler
 from .sequence import RequestOutput, Sequence, Status
 from .step_runner import StepItem, StepRunner, lora_variant
 
@@ -100,28 +100,29 @@ class Engine:
         if adapter_dir is not None:
             engine.store.register_dir(adapter_dir)
         for name, path in (adapters or {}).items():
-            engine.store.register(name, path)
+            engine.register_adapter(name, path)
         return engine
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], adapter: str | None = None, sampling: SamplingParams | None = None,
-                    request_id: str | None = None, on_output: Callable[[RequestOutput], None] | None = None) -> str:
-        """Queue a request; raises ValueError (bad input), KeyError (unknown adapter) or QueueFull."""
+                    request_id: str | None = None, on_output: Callable[[RequestOutput], None] | None = None,
+                    watch_stop_strings: bool = True) -> str:
+        """Queue a request; raises ValueError (bad input; :class:`RequestRejected` names the field), KeyError
+        (unknown adapter) or QueueFull. ``sampling.max_tokens=None`` means as many as fit.
+
+        ``watch_stop_strings=False``: the caller detokenizes the output itself and aborts on a stop string (the
+        server does, off the engine thread), so the engine keeps no detokenizer for this request.
+        """
         sampling = (sampling or SamplingParams()).validate(self.ecfg.max_model_len)
         if not prompt_ids:
-            raise ValueError("prompt is empty")
+            raise RequestRejected("prompt is empty", "prompt")
         if any(not 0 <= int(t) < self.cfg.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
-        if len(prompt_ids) + sampling.max_tokens > self.ecfg.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
-                             f"context of {self.ecfg.max_model_len} tokens")
+            raise RequestRejected(f"prompt token ids must be in [0, {self.cfg.vocab_size})", "prompt")
         if adapter is not None and adapter not in self.store:
             raise KeyError(f"unknown adapter {adapter!r}")
-        need = pages_for(len(prompt_ids) + sampling.max_tokens, self.ecfg.page_size)
-        need += self.store.adapter_pages(adapter) if adapter is not None else 0
-        if need > self.pool.allocator.num_pages:
-            raise ValueError(f"the request needs {need} pool pages (KV for prompt + max_tokens, plus its adapter); "
-                             f"the pool has {self.pool.allocator.num_pages}")
+        max_tokens = self.scheduler.check_request(len(prompt_ids), sampling.max_tokens, adapter)
+        if max_tokens != sampling.max_tokens:
+            sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
         if len(self.scheduler.waiting) >= self.ecfg.max_waiting:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting; try again later")
         seq = Sequence(prompt_ids=[int(t) for t in prompt_ids], adapter=adapter, sampling=sampling,
@@ -130,16 +131,16 @@ class Engine:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
             seq.request_id = request_id
-        if self.tokenizer is not None and sampling.stop:
+        if self.tokenizer is not None and sampling.stop and watch_stop_strings:
             seq.detok = IncrementalDetokenizer(self.tokenizer, sampling.stop)
         seq.seed = sampling.seed if sampling.seed is not None else int(np.random.default_rng().integers(2**31))
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         if adapter is not None:
-            position = len(self.scheduler.waiting)
-            if position <= self.ecfg.max_prefill_seqs:  # in the head: get it onto the device now
+            n_head = self.ecfg.max_prefill_seqs
+            if seq in self.scheduler.head(n_head):  # in the head: get it onto the device now
                 self._prefetch_head(read_ahead=False)
-            elif position <= READ_AHEAD * self.ecfg.max_prefill_seqs:
+            elif len(self.scheduler.waiting) <= READ_AHEAD * n_head:
                 self.store.read_ahead([adapter])
         return seq.request_id
 
@@ -208,11 +209,11 @@ class Engine:
         """Adapters for the head of the waiting queue: onto the device (and into the pool where there is room);
         host reads only for the requests behind it. An optimisation: a failure here is logged, never raised."""
         n_head = self.ecfg.max_prefill_seqs
-        queue = list(itertools.islice(self.scheduler.waiting, READ_AHEAD * n_head if read_ahead else n_head))
+        queue = self.scheduler.head(READ_AHEAD * n_head if read_ahead else n_head)  # the policy's order
         head, behind = queue[:n_head], queue[n_head:]
         # leave the head's worst-case KV free: an adapter loaded into pages that admission then reclaims for that KV
         # is evicted unused and loaded again next step (thrash seen at 2000 adapters in a 24 GiB pool)
-        head_kv = sum(pages_for(s.max_total_tokens, self.ecfg.page_size) for s in head)
+        head_kv = sum(self.scheduler.worst_case_pages(s) for s in head)
         try:
             self.store.prefetch([s.adapter for s in head if s.adapter is not None], keep_free_pages=head_kv)
             self.store.read_ahead(s.adapter for s in behind if s.adapter is not None)
@@ -280,6 +281,40 @@ class Engine:
         if seq.on_output is not None:
             seq.on_output(out)
         return out
+
+    # ---------------------------------------------------------------- what a server may ask
+    # Engine-thread calls, except where a docstring says thread-safe. A server asks through these, never through
+    # the engine's parts (scheduler, pool, store), so those stay free to change.
+
+    def running_request_ids(self) -> list[str]:
+        """Requests in the running batch (those a failed step may have hurt)."""
+        return [s.request_id for s in self.scheduler.running]
+
+    def pool_lost(self) -> bool:
+        """The pool array was donated to a step that failed: KV cache and resident adapters are gone for good."""
+        is_deleted = getattr(self.pool.array, "is_deleted", None)
+        return bool(is_deleted is not None and is_deleted())
+
+    def has_adapter(self, name: str) -> bool:
+        """Thread-safe: whether ``name`` is a registered adapter (it may still fail to load)."""
+        return name in self.store
+
+    def adapter_names(self) -> list[str]:
+        """Thread-safe: every registered adapter."""
+        return self.store.names()
+
+    def register_adapter(self, name: str, source, verify: bool = False) -> None:
+        """Thread-safe: serve ``source`` (a PEFT dir, a ``LoraAdapter`` or an ``AdapterSource``) as ``name``.
+
+        Raises :class:`AdapterError` with the reason for one we cannot serve, ValueError if the name is taken.
+        ``verify`` reads and checks every weight now (blocking on disk: call it off the engine thread), so a bad
+        adapter never reaches a request; else only the config and shapes are checked and weights on first use.
+        """
+        self.store.register(name, source, verify=verify)
+
+    def unregister_adapter(self, name: str) -> None:
+        """Stop serving an adapter; KeyError if unknown, ``AdapterInUse`` while running requests use it."""
+        self.store.unregister(name)
 
     # ---------------------------------------------------------------- conveniences
     def warmup(self, progress: bool = True) -> None:

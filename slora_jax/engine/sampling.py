@@ -13,7 +13,7 @@ import numpy as np
 class SamplingParams:
     """Per-request decoding settings, OpenAI/vLLM names. temperature 0 = greedy."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as fit (the engine resolves it at add_request)
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1 = off
     top_p: float = 1.0
@@ -24,9 +24,9 @@ class SamplingParams:
 
     def validate(self, max_model_len: int | None = None) -> SamplingParams:
         """Raise ValueError with a clear message for values we will not serve."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if max_model_len is not None and self.max_tokens > max_model_len:
+        if max_model_len is not None and self.max_tokens is not None and self.max_tokens > max_model_len:
             raise ValueError(f"max_tokens {self.max_tokens} exceeds the model's context of {max_model_len} tokens")
         if not np.isfinite(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")

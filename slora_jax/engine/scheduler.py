@@ -9,7 +9,9 @@ is preempted (its pages freed, recomputed later from its tokens so far). The ord
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from ..lora.peft import AdapterError
@@ -20,15 +22,50 @@ from .sequence import Sequence, Status
 
 
 class Policy(Protocol):
-    def order(self, waiting: deque[Sequence]) -> list[Sequence]:
-        """Waiting sequences in the order admission should try them."""
+    """The order in which admission tries waiting sequences. Admission stops at the first that does not fit, and
+    prefetch loads the adapters of the first ``max_prefill_seqs`` in this same order, so a policy decides both."""
+
+    def order(self, waiting: deque[Sequence]) -> Iterable[Sequence]:
+        """Waiting sequences in admission order; consumed lazily (admission and prefetch stop early)."""
 
 
+POLICIES: dict[str, Callable[[], Policy]] = {}
+
+
+def register_policy(name: str):
+    """Class decorator: make a policy selectable as ``EngineConfig(scheduling_policy=name)``."""
+
+    def add(cls):
+        if name in POLICIES:
+            raise ValueError(f"scheduling policy {name!r} is already registered")
+        POLICIES[name] = cls
+        return cls
+
+    return add
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown scheduling policy {name!r} (known: {', '.join(sorted(POLICIES))})") from None
+
+
+@register_policy("fcfs")
 class FCFS:
     """First come, first served (preempted sequences go back to the front)."""
 
-    def order(self, waiting: deque[Sequence]) -> list[Sequence]:
-        return list(waiting)
+    def order(self, waiting: deque[Sequence]) -> Iterator[Sequence]:
+        return iter(waiting)
+
+
+class RequestRejected(ValueError):
+    """A request the engine will never serve as asked (bad input, or larger than the pool); ``param`` names the
+    request field to blame, for HTTP error bodies."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclasses.dataclass
@@ -43,9 +80,12 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 class Scheduler:
+    """Owns admission: the fit rule (``check_request``, ``_admit``), the admission order (``policy``, ``head``) and
+    preemption. Everyone who asks "does this fit" or "who is next" asks here."""
+
     def __init__(self, ecfg: EngineConfig, pool: PagedPool, store, policy: Policy | None = None):
         self.ecfg, self.pool, self.store = ecfg, pool, store
-        self.policy = policy or FCFS()
+        self.policy = policy or make_policy(ecfg.scheduling_policy)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._failed: list[tuple[Sequence, str]] = []
@@ -61,6 +101,41 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def head(self, n: int) -> list[Sequence]:
+        """The next ``n`` waiting sequences in the policy's admission order (what prefetch should prepare)."""
+        return list(itertools.islice(self.policy.order(self.waiting), n))
+
+    # ---------------------------------------------------------------- the fit rule
+    def worst_case_pages(self, seq: Sequence) -> int:
+        """KV pages a sequence may come to hold (prompt + max_tokens): what admission reserves."""
+        return pages_for(seq.max_total_tokens, self.ecfg.page_size)
+
+    def kv_room(self, adapter: str | None) -> int:
+        """Most tokens (prompt + max_tokens) one request with this adapter can ever hold: the context, or what the
+        whole pool holds next to the adapter's pages if less."""
+        adapter_pages = self.store.adapter_pages(adapter) if adapter is not None else 0
+        return min(self.ecfg.max_model_len, (self.pool.num_pages - adapter_pages) * self.ecfg.page_size)
+
+    def check_request(self, n_prompt: int, max_tokens: int | None, adapter: str | None) -> int:
+        """Raise :class:`RequestRejected` for a request that could never be admitted (admission would wait for it
+        forever); returns its max_tokens, with None resolved to as many as fit."""
+        max_len = self.ecfg.max_model_len
+        if n_prompt >= max_len:
+            raise RequestRejected(f"the prompt has {n_prompt} tokens; this model's context is {max_len} tokens "
+                                  f"(prompt + max_tokens must fit)", "prompt")
+        room = self.kv_room(adapter)
+        if max_tokens is None:
+            max_tokens = max(1, room - n_prompt)
+        total = n_prompt + max_tokens
+        if total > max_len:
+            raise RequestRejected(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds this model's "
+                                  f"context of {max_len} tokens", "max_tokens")
+        if total > room:
+            raise RequestRejected(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) needs more KV cache than "
+                                  f"this server's pool holds next to the adapter ({room} tokens); lower max_tokens",
+                                  "max_tokens")
+        return max_tokens
 
     # ---------------------------------------------------------------- planning
     def schedule(self) -> Plan | None:
@@ -87,7 +162,7 @@ class Scheduler:
             if (len(batch) >= ecfg.max_prefill_seqs or len(self.running) + len(batch) >= ecfg.max_batch_size
                     or tokens + n > ecfg.max_prefill_tokens):
                 break
-            worst = pages_for(seq.max_total_tokens, page)
+            worst = self.worst_case_pages(seq)
             adapter_pages = self.store.pages_needed_to_load(seq.adapter) if seq.adapter else 0
             if worst + adapter_pages > self.pool.num_free_pages + self.store.evictable_pages():
                 break
