@@ -87,6 +87,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from pallas_kernels.backends import default_tiles
     from slora_jax.engine.adapter_store import SyntheticAdapterSource
     from slora_jax.engine.config import EngineConfig
     from slora_jax.engine.engine import Engine
@@ -99,11 +100,13 @@ def main() -> None:
     from slora_jax.tools.synth import preset_config
 
     cfg = ModelConfig.from_dict(preset_config("tiny" if args.tiny else "llama-2-7b"))
+    gpu_tiles = default_tiles("pallas", "gpu")  # the GPU tiles even with --tiny: the profile is of the GPU setup
     ecfg = EngineConfig(max_batch_size=args.batch, max_prefill_tokens=2048, max_prefill_seqs=16,
                         max_model_len=max(1024, args.ctx + 16), page_size=16, max_lora_rank=64,
                         max_loras=max(args.adapters, 1), pool_bytes=(256 << 20) if args.tiny else (24 << 30),
                         dtype="float32" if args.tiny else "bfloat16", backend="pallas", min_decode_bucket=args.batch,
-                        lora_block_t=64, attn_block_q=128, layer_loop=args.layer_loop)
+                        lora_block_t=gpu_tiles["lora_block_t"], attn_block_q=gpu_tiles["attn_block_q"],
+                        layer_loop=args.layer_loop)
     if args.tiny:
         params = init_params(cfg, jax.random.PRNGKey(0))
     else:

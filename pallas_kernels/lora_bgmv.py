@@ -28,10 +28,12 @@ from jax.experimental import pallas as pl
 from pallas_kernels.lora_common import (
     AdapterTable,
     Tuning,
+    block_module,
     gather_lora_a,
     gather_lora_b,
     layer_args,
     lora_scale,
+    pick,
 )
 from pallas_kernels.lowering import any_spec, load, next_pow2, pallas_call, resolve_interpret, store
 
@@ -43,14 +45,6 @@ MAX_R_BLK = 16  # rank rows per shrink/expand step; larger ranks loop (expand) o
 
 _F32 = jnp.float32
 _I0 = np.int32(0)  # typed: jnp.where on two Python ints mis-lowers to i1 in Pallas Triton
-
-
-def _pick(i, values):
-    """``values[i]`` for a traced scalar ``i`` over a static tuple (a select chain; kernels cannot index constants)."""
-    out = jnp.int32(values[0])
-    for j in range(1, len(values)):
-        out = jnp.where(i == j, jnp.int32(values[j]), out)
-    return out
 
 
 def _pages(pages_ref, s, v, mask, page_rows: int):
@@ -68,15 +62,6 @@ def _vectors(pool_ref, lbase, page, v, mask, page_rows: int, vdim: int):
     return load(pool_ref.at[vec[..., None], lane[(None,) * vec.ndim + (slice(None),)]], mask=mask[..., None], other=0)
 
 
-def _block_module(j, blk_starts, modules, out_vecs):
-    """(index in ``modules``, module id, output vectors) of column block ``j``; blocks of all modules lie end to end
-    and ``blk_starts`` (static) gives each module's first block."""
-    i = jnp.int32(0)
-    for b in blk_starts[1:]:
-        i = i + (j >= b).astype(jnp.int32)
-    return i, _pick(i, modules), _pick(i, out_vecs)
-
-
 def _page_gather(pool_ref, pages_ref, lbase, s, v, mask, page_rows: int, vdim: int):
     """Pool vectors of virtual vectors ``v`` of slot ``s``: ``[*v.shape, V]``; masked entries read zeros."""
     return _vectors(pool_ref, lbase, _pages(pages_ref, s, v, mask, page_rows), v, mask, page_rows, vdim)
@@ -91,7 +76,7 @@ def _shrink_kernel(layer_ref, lbase_ref, slot_ref, rank_ref, aoff_ref, pages_ref
     slot = slot_ref[t]
     s = jnp.maximum(slot, 0)
     layer, lbase = layer_ref[0], lbase_ref[0]
-    m = _pick(i, modules)
+    m = pick(i, modules)
     rank = jnp.where(slot >= 0, rank_ref[s, layer, m], _I0)
     k = rb * r_blk + jnp.arange(r_blk, dtype=jnp.int32)
     kmask = k < rank
@@ -190,12 +175,12 @@ def bgmv_shrink(x: jax.Array, pool: jax.Array, layer, row_slot: jax.Array, table
 def _expand_kernel(layer_ref, lbase_ref, slot_ref, rank_ref, boff_ref, scale_ref, pages_ref, y_ref, pool_ref,
                    base_ref, out_ref, *, modules, out_vecs, col_starts, blk_starts, n_blk, r_blk, page_rows, vdim):
     t, j = pl.program_id(0), pl.program_id(1)
-    i, m, n_out = _block_module(j, blk_starts, modules, out_vecs)
+    i, m, n_out = block_module(j, blk_starts, modules, out_vecs)
     slot = slot_ref[t]
     s = jnp.maximum(slot, 0)
     layer, lbase = layer_ref[0], lbase_ref[0]
     rank = jnp.where(slot >= 0, rank_ref[s, layer, m], _I0)
-    cv = (j - _pick(i, blk_starts)) * n_blk + jnp.arange(n_blk, dtype=jnp.int32)  # output vectors of this module
+    cv = (j - pick(i, blk_starts)) * n_blk + jnp.arange(n_blk, dtype=jnp.int32)  # output vectors of this module
     cmask = cv < n_out
     lane = jnp.arange(vdim, dtype=jnp.int32)
 
@@ -213,7 +198,7 @@ def _expand_kernel(layer_ref, lbase_ref, slot_ref, rank_ref, boff_ref, scale_ref
             return acc + jnp.sum(b.astype(_F32) * yk.astype(_F32)[:, None, None], axis=0)
 
         acc = lax.fori_loop(0, lax.div(rank + (r_blk - 1), r_blk), step, jnp.zeros((n_blk, vdim), _F32))
-        cols = (_pick(i, col_starts) + cv)[:, None]
+        cols = (pick(i, col_starts) + cv)[:, None]
         old = load(base_ref.at[t, cols, lane[None, :]], mask=cmask[:, None], other=0)
         new = old.astype(_F32) + acc * scale_ref[s, layer, m]
         store(out_ref.at[t, cols, lane[None, :]], new.astype(out_ref.dtype), mask=cmask[:, None])

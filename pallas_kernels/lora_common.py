@@ -1,4 +1,4 @@
-"""Adapter table and pool-layout helpers shared by the LoRA kernels, their references and tests.
+"""Adapter table, pool-layout helpers and kernel-body helpers shared by the LoRA kernels, their references and tests.
 
 Layout (docs/DESIGN.md, "Unified pool layout"): ``pool: [L, NP, PR, V]``. Virtual vector ``v`` of the adapter in
 slot ``s`` is the physical vector ``pages[s, v // PR] * PR + v % PR`` of ``pool[l].reshape(NP * PR, V)``. For
@@ -51,7 +51,6 @@ class Tuning(NamedTuple):
     pipeline: bool | None = None
 
 
-
 def layer_args(layer, pool_shape) -> tuple[jax.Array, jax.Array]:
     """(layer, first flat vector of the layer in ``pool.reshape(L * NP * PR, V)``) as int32[1] each (kernel inputs).
 
@@ -62,6 +61,28 @@ def layer_args(layer, pool_shape) -> tuple[jax.Array, jax.Array]:
     assert n_layers * num_pages * page_rows < 2**31, pool_shape
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     return layer, layer * (num_pages * page_rows)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Kernel-body helpers (traced inside the BGMV and SGMV kernels; plain jnp, so any Pallas lowering can use them)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def pick(i, values):
+    """``values[i]`` for a traced scalar ``i`` over a static tuple (a select chain; kernels cannot index constants)."""
+    out = jnp.int32(values[0])
+    for j in range(1, len(values)):
+        out = jnp.where(i == j, jnp.int32(values[j]), out)
+    return out
+
+
+def block_module(j, blk_starts, modules, out_vecs):
+    """(index in ``modules``, module id, output vectors) of expand column block ``j``; blocks of all modules lie end
+    to end and ``blk_starts`` (static) gives each module's first block."""
+    i = jnp.int32(0)
+    for b in blk_starts[1:]:
+        i = i + (j >= b).astype(jnp.int32)
+    return i, pick(i, modules), pick(i, out_vecs)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -24,8 +24,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.lora_bgmv import _block_module, _pick, bgmv_expand_reference, bgmv_shrink_reference
-from pallas_kernels.lora_common import AdapterTable, Tuning, layer_args
+from pallas_kernels.lora_bgmv import bgmv_expand_reference, bgmv_shrink_reference
+from pallas_kernels.lora_common import AdapterTable, Tuning, block_module, layer_args, pick
 from pallas_kernels.lowering import any_spec, load, next_pow2, pallas_call, resolve_interpret, store
 
 GPU_TARGET_PROGRAMS = 264  # 2 per SM: prefill programs are long (they stream block_t rows of x)
@@ -203,7 +203,7 @@ def _expand_kernel(layer_ref, lbase_ref, start_ref, len_ref, slot_ref, rank_ref,
                    y_ref, pool_ref, base_ref, out_ref, *, modules, out_vecs, col_starts, blk_starts, n_blk, block_t,
                    r_blk, max_rank, page_rows, vdim, dot_dtype):
     g, j = pl.program_id(0), pl.program_id(1)
-    i, m, n_out = _block_module(j, blk_starts, modules, out_vecs)
+    i, m, n_out = block_module(j, blk_starts, modules, out_vecs)
     slot, length = slot_ref[g], len_ref[g]
     s = jnp.maximum(slot, 0)
     layer, lbase = layer_ref[0], lbase_ref[0]
@@ -220,8 +220,8 @@ def _expand_kernel(layer_ref, lbase_ref, start_ref, len_ref, slot_ref, rank_ref,
         yt = load(y_ref.at[rows[:, None], i, k[None, :]], mask=rmask[:, None] & (k < max_rank)[None, :], other=0.0)
         b_row = boff_ref[s, layer, m] + k * n_out
         scale = scale_ref[s, layer, m]
-        first = (j - _pick(i, blk_starts)) * n_blk
-        col0 = _pick(i, col_starts)
+        first = (j - pick(i, blk_starts)) * n_blk
+        col0 = pick(i, col_starts)
 
         def step(c_local, carry):
             cv = first + c_local

@@ -1,10 +1,13 @@
-"""The one place that decides how Pallas kernels are lowered.
+"""How the kernels of the ``pallas-triton`` backend are lowered: Pallas through Triton.
 
-Every kernel in this package calls :func:`pallas_call` from here instead of
-``pl.pallas_call`` so that switching a kernel to Mosaic GPU later (or adding a
-Mosaic GPU variant beside the Triton one) touches this file only.
+Every Triton kernel in this package calls :func:`pallas_call` and the masked
+:func:`load` / :func:`store` from here instead of ``pl.pallas_call``, so lowering
+options live in one place. Kernel bodies are written for this lowering (masked
+gathers, no scalar prefetch): a Mosaic GPU backend is its own kernel files with
+their own lowering module, registered as a sibling entry in
+:mod:`pallas_kernels.backends`, not a change to this file.
 
-Today we lower through Triton: it runs on jax 0.10.2 and 0.11.2 and, with
+We lower through Triton: it runs on jax 0.10.2 and 0.11.2 and, with
 ``interpret=True``, on CPU. Triton lowering has no scalar prefetch and no
 scratch, wants power-of-two block shapes, and gathers through index arrays that
 are passed as ordinary inputs. Gathers in interpret mode must index every axis

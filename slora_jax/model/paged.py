@@ -2,7 +2,8 @@
 
 ``PagedOps`` plugs into the layer code of :mod:`slora_jax.model.llama`: attention writes K/V into the pool and reads
 them back through page tables; the LoRA delta is gathered from adapter pages by the SGMV (prefill) / BGMV (decode)
-kernels, or by their jnp references (``backend="reference"``), which compute the same function.
+kernels. Which implementation runs is the step's kernel backend (``PagedSpec.backend``, a name in
+:mod:`pallas_kernels.backends`): this module only calls the backend's roles, so every backend serves the same forward.
 """
 
 from __future__ import annotations
@@ -12,16 +13,12 @@ import math
 
 import jax
 
-from pallas_kernels import lora_bgmv, lora_sgmv
-from pallas_kernels.kv_cache import write_kv
+from pallas_kernels.backends import KernelBackend, get_backend
 from pallas_kernels.lora_common import AdapterTable
-from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
-from pallas_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
+from pallas_kernels.lora_sgmv import SegmentTiles
 
 from .config import MODULES, ModelConfig
 from .llama import forward
-
-BACKENDS = ("reference", "pallas")
 
 
 @jax.tree_util.register_dataclass
@@ -49,7 +46,7 @@ class PagedSpec:
     """Static choices of a step (part of the jit cache key)."""
 
     mode: str  # "prefill" | "decode"
-    backend: str = "pallas"  # "pallas" | "reference"
+    backend: str = "pallas"  # a registered kernel backend name (pallas_kernels.backends.backend_names())
     page_size: int = 16
     max_rank: int = 16
     lora_block_t: int = 16
@@ -66,53 +63,45 @@ class PagedOps:
     spec: PagedSpec
     batch: StepBatch
     table: AdapterTable
+    kernels: KernelBackend
 
     def lora(self, x, y, modules, layer, pool):
         if not any(m in self.spec.lora_modules for m in modules):
             return y
         d_outs = tuple(self.cfg.module_dims(MODULES[m])[1] for m in modules)
-        pallas, interpret, rank = self.spec.backend == "pallas", self.spec.interpret, self.spec.max_rank
+        kernels, interpret, rank = self.kernels, self.spec.interpret, self.spec.max_rank
         if self.spec.mode == "decode":
             slots = self.batch.row_slot
-            shrink = lora_bgmv.bgmv_shrink if pallas else lora_bgmv.bgmv_shrink_reference
-            expand = lora_bgmv.bgmv_expand if pallas else lora_bgmv.bgmv_expand_reference
-            y_small = shrink(x, pool, layer, slots, self.table, modules, rank, interpret=interpret)
-            return expand(y_small, y, pool, layer, slots, self.table, modules, d_outs, interpret=interpret)
-        tiles = lora_sgmv.SegmentTiles(*self.batch.lora_tiles)
+            y_small = kernels.bgmv_shrink(x, pool, layer, slots, self.table, modules, rank, interpret=interpret)
+            return kernels.bgmv_expand(y_small, y, pool, layer, slots, self.table, modules, d_outs,
+                                       interpret=interpret)
+        tiles = SegmentTiles(*self.batch.lora_tiles)
         block_t = self.spec.lora_block_t
-        shrink = lora_sgmv.sgmv_shrink if pallas else lora_sgmv.sgmv_shrink_reference
-        expand = lora_sgmv.sgmv_expand if pallas else lora_sgmv.sgmv_expand_reference
-        y_small = shrink(x, pool, layer, tiles, self.table, modules, rank, block_t, interpret=interpret)
-        return expand(y_small, y, pool, layer, tiles, self.table, modules, d_outs, block_t, interpret=interpret)
+        y_small = kernels.sgmv_shrink(x, pool, layer, tiles, self.table, modules, rank, block_t, interpret=interpret)
+        return kernels.sgmv_expand(y_small, y, pool, layer, tiles, self.table, modules, d_outs, block_t,
+                                   interpret=interpret)
 
     def attend(self, q, k, v, layer, pool):
-        cfg, spec, b = self.cfg, self.spec, self.batch
-        pool = write_kv(pool, layer, k, v, b.kv_slots, spec.page_size)
+        cfg, spec, b, kernels = self.cfg, self.spec, self.batch, self.kernels
+        pool = kernels.write_kv(pool, layer, k, v, b.kv_slots, spec.page_size)
         common = dict(page_size=spec.page_size, num_kv_heads=cfg.num_key_value_heads,
-                      sm_scale=1.0 / math.sqrt(cfg.head_dim))
+                      sm_scale=1.0 / math.sqrt(cfg.head_dim), interpret=spec.interpret)
         if spec.mode == "decode":
-            if spec.backend == "pallas":
-                out = paged_decode_attention(q, pool, layer, b.page_table, b.context_lens, interpret=spec.interpret,
-                                             **common)
-            else:
-                out = paged_decode_attention_reference(q, pool, layer, b.page_table, b.context_lens, **common)
-        elif spec.backend == "pallas":
-            out = paged_prefill_attention(q, pool, layer, b.page_table, b.q_starts, b.context_lens,
-                                          block_q=spec.attn_block_q, tile_map=b.attn_tiles,
-                                          interpret=spec.interpret, **common)
+            out = kernels.decode_attention(q, pool, layer, b.page_table, b.context_lens, **common)
         else:
-            out = paged_prefill_attention_reference(q, pool, layer, b.page_table, b.q_starts, b.context_lens, **common)
+            out = kernels.prefill_attention(q, pool, layer, b.page_table, b.q_starts, b.context_lens,
+                                            tile_map=b.attn_tiles, block_q=spec.attn_block_q, **common)
         return out, pool
 
 
 def paged_forward(cfg: ModelConfig, spec: PagedSpec, params: dict, pool: jax.Array, table: AdapterTable,
                   batch: StepBatch) -> tuple[jax.Array, jax.Array]:
     """(logits float32[B, vocab] of each sequence's ``logits_rows`` row, updated pool)."""
-    ops = PagedOps(cfg, spec, batch, table)
+    ops = PagedOps(cfg, spec, batch, table, get_backend(spec.backend))
     return forward(cfg, params, batch.tokens, batch.positions, ops, pool, batch.logits_rows)
 
 
 def check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    """``backend`` if it names a registered kernel backend (ValueError listing the known ones otherwise)."""
+    get_backend(backend)
     return backend

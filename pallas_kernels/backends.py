@@ -1,0 +1,148 @@
+"""Kernel backends: the table of functions the serving forward calls, one entry per implementation.
+
+The forward (``slora_jax.model.paged``) never names a kernel: it looks its backend up with :func:`get_backend` and
+calls the roles of the :class:`KernelBackend` it gets. Every backend fills every role with the same signature, so a
+new implementation (Mosaic GPU kernels, say) is its kernel files beside the Triton ones plus one
+:func:`register_backend` call below; where a kernel's own signature differs from its role's, a small adapter here
+bridges it. Each backend also carries its default tile settings per platform (:func:`default_tiles`).
+
+Role signatures (``interpret`` is ignored by backends without an interpret mode; ``modules``, ``max_rank``,
+``d_outs``, ``block_t``, ``page_size``, ``num_kv_heads``, ``sm_scale`` and ``block_q`` are static):
+
+* ``bgmv_shrink(x, pool, layer, row_slot, table, modules, max_rank, *, interpret)`` -> f32[T, len(modules), max_rank]
+* ``bgmv_expand(y, base, pool, layer, row_slot, table, modules, d_outs, *, interpret)`` -> [T, sum(d_outs)]
+* ``sgmv_shrink(x, pool, layer, tiles, table, modules, max_rank, block_t, *, interpret)``: as bgmv_shrink
+* ``sgmv_expand(y, base, pool, layer, tiles, table, modules, d_outs, block_t, *, interpret)``: as bgmv_expand
+* ``decode_attention(q, pool, layer, page_table, context_lens, *, page_size, num_kv_heads, sm_scale, interpret)``
+* ``prefill_attention(q, pool, layer, page_table, q_starts, context_lens, *, tile_map, block_q, page_size,
+  num_kv_heads, sm_scale, interpret)``
+* ``write_kv(pool, layer, k, v, slots, page_size)`` -> pool
+
+Shapes and meanings are those of the Triton kernels (``lora_bgmv``, ``lora_sgmv``, ``paged_attention``,
+``prefill_attention``, ``kv_cache``), whose docstrings are the contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+from pallas_kernels import kv_cache, lora_bgmv, lora_sgmv, paged_attention, prefill_attention
+
+FALLBACK_PLATFORM = "cpu"  # tile settings for platforms a backend has no entry for
+
+
+@dataclasses.dataclass(frozen=True)
+class TileDefaults:
+    """Engine tile settings a backend wants on one platform (field names are EngineConfig's)."""
+
+    lora_block_t: int  # rows per SGMV tile
+    attn_block_q: int  # query rows per prefill attention tile
+    min_prefill_bucket: int  # smallest prefill bucket compiled
+
+
+# Interpret mode and tiny test models run fastest with small tiles (the EngineConfig defaults).
+SMALL_TILES = TileDefaults(lora_block_t=16, attn_block_q=16, min_prefill_bucket=16)
+# tl.dot-sized tiles for the compiled Triton kernels (measured in benchmarks/NOTES.md).
+TRITON_GPU_TILES = TileDefaults(lora_block_t=64, attn_block_q=128, min_prefill_bucket=128)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KernelBackend:
+    """One implementation of every kernel role (signatures in the module docstring) plus its tile defaults."""
+
+    name: str
+    bgmv_shrink: Callable
+    bgmv_expand: Callable
+    sgmv_shrink: Callable
+    sgmv_expand: Callable
+    decode_attention: Callable
+    prefill_attention: Callable
+    write_kv: Callable
+    tiles: Mapping[str, TileDefaults]  # platform (jax.default_backend(): "cpu", "gpu", ...) -> settings
+
+    def __post_init__(self):
+        if FALLBACK_PLATFORM not in self.tiles:
+            raise ValueError(f"backend {self.name!r} needs tile settings for {FALLBACK_PLATFORM!r}")
+
+    def tiles_for(self, platform: str) -> TileDefaults:
+        """This backend's tile settings on ``platform``; platforms without an entry get the CPU ones."""
+        return self.tiles.get(platform, self.tiles[FALLBACK_PLATFORM])
+
+
+ROLES = tuple(f.name for f in dataclasses.fields(KernelBackend) if f.name not in ("name", "tiles"))
+
+
+def _reference_prefill_attention(q, pool, layer, page_table, q_starts, context_lens, *, tile_map, block_q, page_size,
+                                 num_kv_heads, sm_scale, interpret=None):
+    """The jnp reference in the prefill role: it needs no host tile map, tile size or interpret flag."""
+    del tile_map, block_q, interpret
+    return prefill_attention.paged_prefill_attention_reference(
+        q, pool, layer, page_table, q_starts, context_lens, page_size=page_size, num_kv_heads=num_kv_heads,
+        sm_scale=sm_scale)
+
+
+REFERENCE = KernelBackend(
+    name="reference",
+    bgmv_shrink=lora_bgmv.bgmv_shrink_reference,
+    bgmv_expand=lora_bgmv.bgmv_expand_reference,
+    sgmv_shrink=lora_sgmv.sgmv_shrink_reference,
+    sgmv_expand=lora_sgmv.sgmv_expand_reference,
+    decode_attention=paged_attention.paged_decode_attention_reference,
+    prefill_attention=_reference_prefill_attention,
+    write_kv=kv_cache.write_kv,
+    # the same tiles as the Pallas backend: block_t shapes the SGMV reference's inputs, and on a GPU a reference run
+    # should compile the same buckets as the kernels it is compared with
+    tiles={"cpu": SMALL_TILES, "gpu": TRITON_GPU_TILES},
+)
+
+PALLAS_TRITON = KernelBackend(
+    name="pallas-triton",
+    bgmv_shrink=lora_bgmv.bgmv_shrink,
+    bgmv_expand=lora_bgmv.bgmv_expand,
+    sgmv_shrink=lora_sgmv.sgmv_shrink,
+    sgmv_expand=lora_sgmv.sgmv_expand,
+    decode_attention=paged_attention.paged_decode_attention,
+    prefill_attention=prefill_attention.paged_prefill_attention,
+    write_kv=kv_cache.write_kv,
+    tiles={"cpu": SMALL_TILES, "gpu": TRITON_GPU_TILES},
+)
+
+_REGISTRY: dict[str, KernelBackend] = {}
+
+
+def register_backend(backend: KernelBackend, *aliases: str, replace: bool = False) -> KernelBackend:
+    """Make ``backend`` selectable by its name and ``aliases`` (``EngineConfig.backend``, ``--backend``)."""
+    for name in (backend.name, *aliases):
+        if name in _REGISTRY and not replace:
+            raise ValueError(f"kernel backend {name!r} is already registered")
+    for name in (backend.name, *aliases):
+        _REGISTRY[name] = backend
+    return backend
+
+
+def unregister_backend(name: str) -> None:
+    """Forget one name (tests that register a temporary backend)."""
+    _REGISTRY.pop(name, None)
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every selectable name, aliases included, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def get_backend(name: str) -> KernelBackend:
+    """The backend registered as ``name``; ValueError naming the known ones otherwise."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown kernel backend {name!r}; known: {', '.join(backend_names())}") from None
+
+
+def default_tiles(backend: str, platform: str) -> dict[str, int]:
+    """EngineConfig tile settings (lora_block_t, attn_block_q, min_prefill_bucket) of ``backend`` on ``platform``."""
+    return dataclasses.asdict(get_backend(backend).tiles_for(platform))
+
+
+register_backend(REFERENCE)
+register_backend(PALLAS_TRITON, "pallas")  # "pallas": today's Pallas kernels, whichever lowering serves best
