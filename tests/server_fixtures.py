@@ -14,7 +14,7 @@ from pathlib import Path
 from slora_jax.engine.config import EngineConfig
 from slora_jax.engine.engine import Engine
 from slora_jax.model.config import ModelConfig
-from slora_jax.serve.app import ServerConfig
+from slora_jax.serve.config import ServerConfig
 from slora_jax.serve.server import Server
 from slora_jax.tools import synth
 from slora_jax.tools.tokenizer import load_tokenizer, write_tokenizer

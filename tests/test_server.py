@@ -158,6 +158,28 @@ def test_stop_string_is_cut(client, srv):
     assert r.choices[0].text == text[: text.find(stop)]
 
 
+def test_stop_strings_are_watched_by_the_server_only(srv):
+    """One detokenizer per request: the server's. The engine keeps none for a request with stop strings."""
+    thread = srv.server.engine_thread
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=120) as client:
+            with thread.hold():  # accepted but not stepped: the request is surely still open while we look
+                body = {"model": BASE_NAME, "prompt": PROMPTS[0], "max_tokens": 4, "stop": ["zzqq"]}
+                task = asyncio.ensure_future(client.post("/completions", json=body))
+                detoks = []
+                for _ in range(500):
+                    detoks = await thread.call(lambda: [s.detok for s in srv.engine.requests.values()])
+                    if detoks:
+                        break
+                    await asyncio.sleep(0.01)
+            return detoks, await task
+
+    detoks, response = asyncio.run(run())
+    assert detoks == [None]
+    assert response.status_code == 200, response.text
+
+
 def test_many_concurrent_requests_on_different_adapters(srv, aclient_factory):
     """48 requests at once over every adapter and the base model, streamed and not: each gets its own answer."""
     tok = srv.tokenizer

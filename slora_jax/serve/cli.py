@@ -102,18 +102,43 @@ def _default_pool_bytes(on_gpu: bool) -> int:
     return int(0.85 * free)  # the rest: activations of the largest bucket, sampler, staging
 
 
-def build_server(args: argparse.Namespace):
-    """Load the model and adapters, warm up, and return a ready-to-run :class:`Server`."""
-    import jax
-    import jax.numpy as jnp
+def register_adapters(engine, base_name: str, lora_modules: dict[str, Path], adapter_dirs: list[Path]) -> None:
+    """``--lora-modules`` through the one validate-then-register path (a bad one stops the server with the reason),
+    then every adapter subdir (config checked now, weights on first use; a bad one is skipped with its reason)."""
     from tqdm import tqdm
 
-    from ..engine.config import EngineConfig, resolve_layer_loop
+    from ..lora.peft import AdapterError
+    from .adapters import AdapterAdmin
+    from .protocol import APIError
+
+    admin = AdapterAdmin(engine, base_name)
+    for adapter_name, path in tqdm(lora_modules.items(), desc="validating adapters", disable=not lora_modules):
+        try:
+            admin.register(adapter_name, path)
+        except APIError as e:
+            raise SystemExit(f"--lora-modules: {e.message}") from None
+    for root in adapter_dirs:
+        found = adapter_subdirs(root.expanduser())
+        skipped = 0
+        for adapter_name, path in tqdm(found.items(), desc=f"registering {root}", disable=len(found) < 2):
+            if engine.has_adapter(adapter_name):
+                continue
+            try:  # one bad adapter among thousands must not stop the server: skip it with its reason
+                engine.register_adapter(adapter_name, path)
+            except (AdapterError, ValueError) as e:
+                log.warning("skipping %s", e)
+                skipped += 1
+        if skipped:
+            log.warning("%d of %d adapters under %s were skipped (see above)", skipped, len(found), root)
+
+
+def build_server(args: argparse.Namespace):
+    """Load the model and adapters, warm up, and return a ready-to-run :class:`Server`."""
+    from ..engine.config import EngineConfig
     from ..engine.engine import Engine
-    from ..lora.peft import AdapterError, load_peft_adapter
-    from ..model.loader import load_params
+    from ..model.config import ModelConfig
     from ..tools.tokenizer import load_tokenizer
-    from .app import ServerConfig
+    from .config import ServerConfig
     from .demo import DEMO_MODEL_NAME, ensure_demo
     from .server import Server
 
@@ -133,9 +158,7 @@ def build_server(args: argparse.Namespace):
         name = args.served_model_name or model_dir.resolve().name
     lora_modules = parse_lora_modules(args.lora_modules)
 
-    log.info("loading %s (%s, backend %s)", model_dir, dtype, backend)
-    stacked = resolve_layer_loop(args.layer_loop, jax.default_backend()) == "scan"  # load in the engine's layout
-    cfg, params = load_params(model_dir, dtype=jnp.dtype(dtype), progress=True, stacked=stacked)
+    cfg = ModelConfig.from_model_dir(model_dir)
     max_len = args.max_model_len or min(cfg.max_position_embeddings, 2048)
     pool_bytes = None if args.num_pages else int(args.pool_gb * 2**30) if args.pool_gb else _default_pool_bytes(on_gpu)
     ecfg = EngineConfig(
@@ -149,40 +172,24 @@ def build_server(args: argparse.Namespace):
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:
         log.warning("%s has no tokenizer: only token-id prompts on /v1/completions will work", model_dir)
-    engine = Engine(cfg, params, ecfg, tokenizer=tokenizer)
-    capacity = engine.pool.num_pages * ecfg.page_size
+    log.info("loading %s (%s, backend %s)", model_dir, dtype, backend)
+    engine = Engine.from_model_dir(model_dir, ecfg, tokenizer=tokenizer, progress=True)
+    pool = engine.stats()["pool"]
+    capacity = pool["num_pages"] * ecfg.page_size
     if capacity < max_len:
         log.warning("the pool holds %d tokens of KV, less than --max-model-len %d: longer requests will be refused",
                     capacity, max_len)
-    log.info("pool: %d pages of %d tokens (%.2f GiB), KV and adapters together", engine.pool.num_pages,
-             ecfg.page_size, engine.pool.pool_bytes / 2**30)
+    log.info("pool: %d pages of %d tokens (%.2f GiB), KV and adapters together", pool["num_pages"],
+             ecfg.page_size, pool["pool_bytes"] / 2**30)
 
-    for adapter_name, path in tqdm(lora_modules.items(), desc="validating adapters", disable=not lora_modules):
-        try:
-            load_peft_adapter(path, cfg, adapter_name, max_rank=ecfg.max_lora_rank)
-        except AdapterError as e:
-            raise SystemExit(f"--lora-modules: {e}") from None
-        engine.store.register(adapter_name, path)
-    for root in adapter_dirs:
-        found = adapter_subdirs(root.expanduser())
-        skipped = 0
-        for adapter_name, path in tqdm(found.items(), desc=f"registering {root}", disable=len(found) < 2):
-            if adapter_name in engine.store:
-                continue
-            try:  # one bad adapter among thousands must not stop the server: skip it with its reason
-                engine.store.register(adapter_name, path)
-            except (AdapterError, ValueError) as e:
-                log.warning("skipping %s", e)
-                skipped += 1
-        if skipped:
-            log.warning("%d of %d adapters under %s were skipped (see above)", skipped, len(found), root)
+    register_adapters(engine, name, lora_modules, adapter_dirs)
     if not args.no_warmup:
         log.info("warming up: compiling every step bucket once, so serving never compiles")
         engine.warmup(progress=True)
     config = ServerConfig(served_model_name=name, api_key=args.api_key,
                           allowed_adapter_dirs=tuple(adapter_dirs) + tuple(args.allowed_adapter_dir))
     return Server(engine, config, host=args.host, port=args.port, log_level=args.log_level,
-                  tokenizer=load_tokenizer(model_dir))
+                  tokenizer=load_tokenizer(model_dir))  # its own copy: the engine thread decodes concurrently
 
 
 def main(argv: list[str] | None = None) -> None:

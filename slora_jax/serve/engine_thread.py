@@ -1,10 +1,12 @@
-"""Run the engine in its own thread; HTTP handlers talk to it only through thread-safe queues.
+"""Run the engine in its own thread; HTTP handlers talk to it through thread-safe queues.
 
 The engine is not thread-safe and a step blocks for the duration of a device step, so it cannot run on the event
-loop. Every touch of the engine (add, abort, adapter registration, stats) is queued here and done between steps by
-the one engine thread; outputs come back to each request's ``asyncio.Queue`` via ``loop.call_soon_threadsafe``. The
-thread steps while there is work and sleeps on a condition variable when idle. A step that raises fails only the
-requests that were in it (their clients get an error, not a hang) and the thread keeps serving.
+loop. Every touch of the engine (add, abort, adapter unregistration, stats) is queued here and done between steps by
+the one engine thread (only what the engine documents as thread-safe, such as ``has_adapter`` and
+``register_adapter``, is called from elsewhere). Outputs come back to each request's ``asyncio.Queue`` via
+``loop.call_soon_threadsafe``. The thread steps while there is work and sleeps on a condition variable when idle.
+A step that raises fails only the requests that were in it (their clients get an error, not a hang) and the thread
+keeps serving.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class _Submission:
     prompt_ids: list[int]
     adapter: str | None
     sampling: SamplingParams
+    watch_stop_strings: bool
     stream: RequestStream
     accepted: asyncio.Future
 
@@ -145,16 +148,17 @@ class EngineThread:
 
     # ---------------------------------------------------------------- event-loop side
     async def submit(self, prompt_ids: list[int], adapter: str | None, sampling: SamplingParams,
-                     request_id: str) -> RequestStream:
+                     request_id: str, watch_stop_strings: bool = True) -> RequestStream:
         """Queue a request; returns its output stream once the engine accepted it.
 
         Raises what ``Engine.add_request`` raises (ValueError, KeyError, QueueFull) or :class:`EngineUnavailable`.
+        ``watch_stop_strings=False``: the caller detokenizes the outputs and aborts on a stop string itself.
         """
         if not self.alive:
             raise EngineUnavailable(self.fatal or "the engine is not running")
         loop = asyncio.get_running_loop()
-        sub = _Submission(request_id, list(prompt_ids), adapter, sampling, RequestStream(request_id, loop),
-                          loop.create_future())
+        sub = _Submission(request_id, list(prompt_ids), adapter, sampling, watch_stop_strings,
+                          RequestStream(request_id, loop), loop.create_future())
         with self._cv:
             self._submits.append(sub)
             self._cv.notify()
@@ -218,7 +222,7 @@ class EngineThread:
             return
         try:
             self.engine.add_request(sub.prompt_ids, sub.adapter, sub.sampling, request_id=sub.request_id,
-                                    on_output=self._on_output)
+                                    on_output=self._on_output, watch_stop_strings=sub.watch_stop_strings)
         except Exception as e:  # ValueError / KeyError / QueueFull go back to the handler as they are
             _resolve(sub.accepted, error=e)
             return
@@ -277,13 +281,11 @@ class EngineThread:
         self.consecutive_failures += 1
         self.last_error = f"{type(e).__name__}: {e}"
         log.exception("engine step failed (%d in a row)", self.consecutive_failures)
-        running = [s.request_id for s in list(getattr(self.engine.scheduler, "running", []))]
-        for rid in running:
+        for rid in self._ask_engine("running_request_ids", []):
             self._deliver(RequestOutput(rid, [], True, "error", error=f"engine step failed: {self.last_error}"))
             with contextlib.suppress(Exception):
                 self.engine.abort(rid)
-        pool_array = getattr(getattr(self.engine, "pool", None), "array", None)
-        if pool_array is not None and getattr(pool_array, "is_deleted", lambda: False)():
+        if self._ask_engine("pool_lost", False):
             # the step had the pool donated and died: the KV cache and resident adapters are gone for good
             self.fatal = f"the engine lost its pool after a failed step ({self.last_error}); restart the server"
             log.error(self.fatal)
@@ -293,6 +295,15 @@ class EngineThread:
             # waits forever; new requests still get their chance
             self._fail_all(f"engine steps keep failing: {self.last_error}")
         time.sleep(min(0.01 * 2 ** self.consecutive_failures, 1.0))  # no hot loop of failing steps
+
+    def _ask_engine(self, question: str, default: Any) -> Any:
+        """The engine's answer to ``question`` (a method name of its server interface), or ``default`` if asking
+        raised: a failed step must not also stop the thread."""
+        try:
+            return getattr(self.engine, question)()
+        except Exception:
+            log.exception("engine.%s() failed after a failed step", question)
+            return default
 
     def _fail_all(self, reason: str) -> None:
         for rid in list(self._streams):

@@ -71,8 +71,10 @@ class _Request(BaseModel):
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias")
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """SamplingParams with OpenAI's defaults (temperature 1, top_p 1); raises ValueError on bad values."""
+    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """SamplingParams with OpenAI's defaults (temperature 1, top_p 1); raises ValueError on bad values.
+
+        ``default_max_tokens`` applies when the client gave none; None leaves it to the engine (as many as fit)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,

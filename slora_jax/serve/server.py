@@ -12,7 +12,8 @@ import time
 
 import uvicorn
 
-from .app import ServerConfig, create_app
+from .app import create_app
+from .config import ServerConfig
 from .engine_thread import EngineThread
 
 log = logging.getLogger("slora_jax.serve")
@@ -53,7 +54,7 @@ class Server:
     def _ready(self) -> None:
         sockets = [s for srv in self._uvicorn.servers for s in srv.sockets]
         self.port = sockets[0].getsockname()[1] if sockets else self._uvicorn.config.port
-        n = len(self.engine.store.names())
+        n = len(self.engine.adapter_names())
         log.info("slora-jax ready: %s/v1 (model %r, %d adapters; try %s/v1/models)", self.url,
                  self.config.served_model_name, n, self.url)
 

@@ -1,0 +1,206 @@
+"""One accepted generation request between the engine thread and its HTTP response (JSON or server-sent events).
+
+Text is made here from the token ids (``IncrementalDetokenizer``), off the engine thread, so characters split across
+tokens and stop strings split across tokens come out right in streams too. This is the request's only detokenizer:
+the engine is told not to watch stop strings (``watch_stop_strings=False``); when one matches here the request ends
+with "stop" and is aborted in the engine, which frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..engine.detok import IncrementalDetokenizer
+from ..engine.engine import QueueFull, RequestRejected
+from ..engine.sequence import RequestOutput
+from ..lora.peft import AdapterError
+from .engine_thread import EngineThread, EngineUnavailable, RequestStream
+from .metrics import ServerMetrics
+from .protocol import APIError, chat_choice, chat_delta, completion_choice, envelope, new_id, usage
+from .request_builder import PreparedRequest
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always closes its generator, so a dropped client aborts its request at once."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class Generation:
+    """The state of one request's answer: its text and tokens so far, how it ended, and its latency metrics."""
+
+    def __init__(self, prepared: PreparedRequest, rid: str, stream: RequestStream, engine_thread: EngineThread,
+                 metrics: ServerMetrics, arrival: float, tokenizer):
+        self.req, self.rid, self.stream = prepared, rid, stream
+        self.engine_thread, self.metrics, self.arrival = engine_thread, metrics, arrival
+        self.detok = IncrementalDetokenizer(tokenizer, prepared.sampling.stop)
+        self.created = int(time.time())
+        self.last_token_time: float | None = None
+        self.done = False
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.detok.ids
+
+    def _record(self, out: RequestOutput) -> str:
+        """Account for one output; returns the text that may be sent now. Sets ``done`` at the end."""
+        now = time.monotonic()
+        if out.new_token_ids:
+            if self.last_token_time is None:
+                self.metrics.ttft.observe(now - self.arrival)
+            else:
+                self.metrics.tpot.observe((now - self.last_token_time) / len(out.new_token_ids))
+            self.last_token_time = now
+            self.metrics.generated_tokens.inc(len(out.new_token_ids))
+        self.detok.add(out.new_token_ids, final=out.finished)
+        reason = out.finish_reason if out.finished else None
+        if self.detok.stopped and reason != "stop":
+            # a stop string: end here and free the engine's pages now (the engine does not watch stop strings)
+            reason = "stop"
+            self.engine_thread.abort(self.rid)
+        if reason is not None:
+            self.done = True
+            self.finish_reason, self.error = reason, out.error
+            self.metrics.finished.labels(reason).inc()
+            if reason in ("stop", "length"):
+                self.metrics.e2e.observe(now - self.arrival)
+        return self.detok.take(final=self.done)
+
+    def _abort_if_open(self) -> None:
+        if not self.stream.finished:
+            self.engine_thread.abort(self.rid)
+        if not self.done:  # the client went away first
+            self.done, self.finish_reason = True, "abort"
+            self.metrics.finished.labels("client_disconnect").inc()
+
+    def _failure(self) -> APIError:
+        if self.finish_reason == "error":
+            message = self.error or "generation failed"
+            return APIError(400 if message.startswith("adapter ") else 500, message)
+        return APIError(503, f"the request was aborted ({self.finish_reason})")
+
+    def _ok(self) -> bool:
+        return self.finish_reason in ("stop", "length")
+
+    def _usage(self) -> dict:
+        return usage(len(self.req.prompt_ids), len(self.token_ids))
+
+    # ---------------------------------------------------------------- whole response
+    async def collect(self, request: Request) -> dict | None:
+        """Wait for the end; None if the client went away (the request is then aborted)."""
+        watcher = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            while not self.done:
+                getter = asyncio.ensure_future(self.stream.get())
+                done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    return None
+                self._record(getter.result())
+        finally:
+            watcher.cancel()
+            self._abort_if_open()
+        if not self._ok():
+            raise self._failure()
+        with_ids = self.req.return_token_ids
+        make_choice = completion_choice if self.req.kind == "completion" else chat_choice
+        choice = make_choice(self.detok.text, self.finish_reason, self.token_ids if with_ids else None)
+        if with_ids:
+            choice["prompt_token_ids"] = self.req.prompt_ids
+        return envelope(self.req.kind, self.rid, self.req.model, [choice], chunk=False, created=self.created,
+                        usage=self._usage())
+
+    # ---------------------------------------------------------------- server-sent events
+    def _chunk(self, text: str, finish_reason: str | None, ids: list[int] | None, role: bool = False) -> str:
+        ids = ids if self.req.return_token_ids else None
+        if self.req.kind == "completion":
+            choice = completion_choice(text, finish_reason, ids)
+        else:
+            delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            choice = chat_delta(delta, finish_reason, ids)
+        if role and self.req.return_token_ids:
+            choice["prompt_token_ids"] = self.req.prompt_ids
+        body = envelope(self.req.kind, self.rid, self.req.model, [choice], chunk=True, created=self.created)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def events(self) -> AsyncIterator[str]:
+        try:
+            if self.req.kind == "chat":
+                yield self._chunk("", None, None, role=True)
+            async for out in self.stream:
+                text = self._record(out)
+                if self.done and not self._ok():
+                    if out.new_token_ids or text:
+                        yield self._chunk(text, None, out.new_token_ids)
+                    yield f"data: {json.dumps(self._failure().body())}\n\n"
+                    break
+                if text or self.done or (self.req.return_token_ids and out.new_token_ids):
+                    yield self._chunk(text, self.finish_reason, out.new_token_ids)
+                if self.done:
+                    break
+            if self.req.include_usage:
+                body = envelope(self.req.kind, self.rid, self.req.model, [], chunk=True, created=self.created,
+                                usage=self._usage())
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            self._abort_if_open()
+
+
+class GenerationRunner:
+    """Submits prepared requests to the engine thread and answers them, streamed or whole."""
+
+    def __init__(self, engine_thread: EngineThread, metrics: ServerMetrics, tokenizer):
+        self.engine_thread, self.metrics, self.tokenizer = engine_thread, metrics, tokenizer
+
+    async def start(self, prepared: PreparedRequest, arrival: float) -> Generation:
+        """Queue the request in the engine; the engine's refusals become API errors naming the field to blame."""
+        rid = new_id("cmpl" if prepared.kind == "completion" else "chatcmpl")
+        try:
+            stream = await self.engine_thread.submit(prepared.prompt_ids, prepared.adapter, prepared.sampling, rid,
+                                                     watch_stop_strings=False)
+        except QueueFull as e:
+            raise APIError(429, f"the server is busy: {e}") from None
+        except KeyError as e:
+            raise APIError(404, str(e.args[0]) if e.args else "unknown adapter", "model") from None
+        except AdapterError as e:
+            raise APIError(400, str(e), "model") from None
+        except RequestRejected as e:
+            raise APIError(400, str(e), e.param) from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except EngineUnavailable as e:
+            raise APIError(503, str(e)) from None
+        self.metrics.prompt_tokens.inc(len(prepared.prompt_ids))
+        return Generation(prepared, rid, stream, self.engine_thread, self.metrics, arrival, self.tokenizer)
+
+    async def respond(self, prepared: PreparedRequest, arrival: float, request: Request) -> Response:
+        gen = await self.start(prepared, arrival)
+        if prepared.stream:
+            return SSEResponse(gen.events(), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        body = await gen.collect(request)
+        if body is None:  # the client is gone; nobody will read this
+            return Response(status_code=499)
+        return JSONResponse(body)
