@@ -19,7 +19,7 @@ from slora_jax.engine.step_runner import StepItem, StepRunner, device_batch
 from slora_jax.lora.peft import load_peft_adapter
 from slora_jax.lora.pool_rows import to_pool_rows
 from slora_jax.model.loader import load_params
-from slora_jax.model.paged import check_backend, paged_forward
+from slora_jax.model.paged import paged_forward
 
 # How paged.py calls each role: (positional argument count, keyword names). Every entry must accept exactly this.
 ROLE_CALLS = {
@@ -52,8 +52,7 @@ def test_unknown_backend_names_the_known_ones():
     for known in ("reference", "pallas", "pallas-triton"):
         assert known in str(err.value)
     with pytest.raises(ValueError, match="reference"):
-        check_backend("no-such-backend")
-    assert check_backend("pallas") == "pallas"
+        EngineConfig(num_pages=8, backend="no-such-backend").with_platform_defaults("cpu")
 
 
 def test_registering_a_taken_name_needs_replace():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.backends import default_tiles
+
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     """Powers of two from lo up to the first one >= hi."""
@@ -43,18 +45,18 @@ class EngineConfig:
     pool_bytes: int | None = None  # memory budget of the unified pool
     num_pages: int | None = None  # or an explicit page count (tests)
     dtype: str = "bfloat16"
-    backend: str = "pallas"  # "pallas" | "reference"
+    backend: str = "pallas"  # a name from pallas_kernels.backends.backend_names()
     # "unroll": per-layer weight arrays, nothing sliced per step (GPU: a scan copies every layer's weights before its
     # GEMMs, 6 ms of a 17 ms 7B decode step on the H200); "scan": stacked weights, one compiled layer (short CPU
     # compiles); "auto": unroll on accelerators, scan on CPU.
     layer_loop: str = "auto"
     max_waiting: int = 4096  # queue bound: beyond it add_request raises QueueFull
     scheduling_policy: str = "fcfs"  # admission order: a name registered with scheduler.register_policy
-    min_prefill_bucket: int = 16
+    min_prefill_bucket: int | None = None  # None: the backend's default for the platform (with_platform_defaults)
     min_decode_bucket: int = 1  # smallest decode batch compiled (fewer buckets = shorter warm-up)
     decode_lora_variants: bool = True  # compile decode steps without MLP / without any LoRA kernels (3x buckets)
-    lora_block_t: int = 16
-    attn_block_q: int = 16
+    lora_block_t: int | None = None  # kernel tiles; None: the backend's default for the platform
+    attn_block_q: int | None = None
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -68,6 +70,13 @@ class EngineConfig:
     def prefill_buckets(self) -> tuple[int, ...]:
         return pow2_buckets(self.min_prefill_bucket, self.max_prefill_tokens)
 
+    def with_platform_defaults(self, platform: str) -> EngineConfig:
+        """Unset tile settings taken from the kernel backend's defaults for ``platform`` (the backend table owns
+        them, so a new backend brings its own)."""
+        tiles = default_tiles(self.backend, platform)
+        unset = {k: v for k, v in tiles.items() if getattr(self, k) is None}
+        return dataclasses.replace(self, **unset) if unset else self
+
     def validate(self) -> EngineConfig:
         for name in ("max_batch_size", "max_prefill_tokens", "max_prefill_seqs", "max_model_len", "page_size",
                      "max_lora_rank", "max_loras"):
@@ -78,6 +87,10 @@ class EngineConfig:
                              f"got {self.max_staged_adapters}")
         if self.page_size & (self.page_size - 1):
             raise ValueError("page_size must be a power of two")
+        for name in ("min_prefill_bucket", "lora_block_t", "attn_block_q"):
+            v = getattr(self, name)
+            if v is not None and (v < 1 or v & (v - 1)):
+                raise ValueError(f"{name} must be a power of two >= 1 (or None for the backend's default), got {v}")
         if self.max_prefill_tokens < self.max_model_len:
             raise ValueError("max_prefill_tokens must be >= max_model_len (a whole prompt is prefilled in one step)")
         if self.layer_loop not in LAYER_LOOPS:

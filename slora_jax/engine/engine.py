@@ -20,10 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.backends import get_backend
+
 from ..lora.peft import AdapterError
 from ..model.config import ModelConfig
 from ..model.loader import load_params
-from ..model.paged import check_backend
 from ..model.params import stack_layer_params, unstack_layer_params
 from . import compile_counter
 from .adapter_store import AdapterStore
@@ -62,6 +63,7 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params: dict, ecfg: EngineConfig, tokenizer=None,
                  interpret: bool | None = None):
         compile_counter.install()
+        ecfg = ecfg.with_platform_defaults(jax.default_backend())
         self.cfg, self.ecfg = cfg, ecfg.validate()
         self.layer_loop = resolve_layer_loop(ecfg.layer_loop, jax.default_backend())
         unrolled = isinstance(params["layers"], list | tuple)
@@ -70,7 +72,7 @@ class Engine:
         elif self.layer_loop == "scan" and unrolled:
             params = dict(params, layers=stack_layer_params(params["layers"]))
         self.params = params
-        check_backend(ecfg.backend)
+        get_backend(ecfg.backend)  # unknown names fail here, listing the known ones
         self.tokenizer = tokenizer
         dtype = jnp.dtype(ecfg.dtype)
         self.pool = PagedPool(cfg, page_size=ecfg.page_size, max_slots=ecfg.max_loras, max_rank=ecfg.max_lora_rank,

@@ -63,6 +63,7 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 class StepRunner:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, interpret: bool | None = None):
+        ecfg = ecfg.with_platform_defaults(jax.default_backend())
         self.cfg, self.ecfg = cfg, ecfg
         spec = dict(backend=ecfg.backend, page_size=ecfg.page_size, max_rank=ecfg.max_lora_rank,
                     lora_block_t=ecfg.lora_block_t, attn_block_q=ecfg.attn_block_q, interpret=interpret)

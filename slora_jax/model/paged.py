@@ -99,9 +99,3 @@ def paged_forward(cfg: ModelConfig, spec: PagedSpec, params: dict, pool: jax.Arr
     """(logits float32[B, vocab] of each sequence's ``logits_rows`` row, updated pool)."""
     ops = PagedOps(cfg, spec, batch, table, get_backend(spec.backend))
     return forward(cfg, params, batch.tokens, batch.positions, ops, pool, batch.logits_rows)
-
-
-def check_backend(backend: str) -> str:
-    """``backend`` if it names a registered kernel backend (ValueError listing the known ones otherwise)."""
-    get_backend(backend)
-    return backend
