@@ -88,12 +88,12 @@ def main() -> None:
     import numpy as np
 
     from pallas_kernels.backends import default_tiles
-    from slora_jax.engine.adapter_store import SyntheticAdapterSource
     from slora_jax.engine.config import EngineConfig
     from slora_jax.engine.engine import Engine
     from slora_jax.engine.sampling import SamplingParams
     from slora_jax.engine.scheduler import pages_for
     from slora_jax.engine.step_runner import StepItem, lora_variant, pack_inputs
+    from slora_jax.lora.synthetic import SyntheticAdapterSource
     from slora_jax.model.config import ATTN_MODULES, MODULES, ModelConfig
     from slora_jax.model.llama import init_params
     from slora_jax.model.params import param_bytes

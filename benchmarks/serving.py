@@ -150,9 +150,9 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from slora_jax.engine.adapter_store import SyntheticAdapterSource
     from slora_jax.engine.config import EngineConfig
     from slora_jax.engine.engine import Engine
+    from slora_jax.lora.synthetic import SyntheticAdapterSource
     from slora_jax.model.config import ModelConfig
     from slora_jax.model.params import param_bytes
     from slora_jax.tools.synth import preset_config

@@ -17,10 +17,10 @@ import jax
 import numpy as np
 from workload import make_trace
 
-from slora_jax.engine.adapter_store import SyntheticAdapterSource
 from slora_jax.engine.config import EngineConfig
 from slora_jax.engine.engine import Engine
 from slora_jax.engine.sampling import SamplingParams
+from slora_jax.lora.synthetic import SyntheticAdapterSource
 from slora_jax.model.config import ATTN_MODULES, ModelConfig
 from slora_jax.model.llama import init_params
 from slora_jax.tools.synth import preset_config

@@ -1,4 +1,5 @@
-"""Every adapter we cannot serve exactly is rejected at load, naming the adapter and the reason."""
+"""Every adapter we cannot serve exactly is rejected at load, naming the adapter and the reason; the cheap
+register-time check (``peft_ranks``) and the full load apply the same rank rules."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from slora_jax.lora.peft import AdapterError, load_peft_adapter
+from slora_jax.lora.peft import AdapterError, load_peft_adapter, peft_ranks, read_adapter_config
+from slora_jax.lora.pool_rows import check_adapter_modules
+from slora_jax.lora.sources import PeftDirSource
+from slora_jax.model.config import MODULE_INDEX
 from slora_jax.tools.synth import write_adapter
 
 
@@ -133,3 +137,24 @@ def test_rejects_targeted_module_without_weights(good, tiny_cfg):
 def test_rejects_layer_beyond_model(good, tiny_cfg):
     _edit_config(good, layers_to_transform=[0, 5])
     _rejects(good, tiny_cfg, "outside the model")
+
+
+def test_register_check_and_load_agree_on_every_rank(tmp_path, tiny_cfg):
+    path = write_adapter(tmp_path / "patterns", tiny_cfg, rank=8, targets=("q_proj", "v_proj", "o_proj", "down_proj"),
+                         rank_pattern={"o_proj": 4, r"layers\.1\.self_attn\.q_proj": 16}, layers_to_transform=[1])
+    ranks = peft_ranks(read_adapter_config(path, "p"), "p", tiny_cfg, max_rank=16)
+    adapter = load_peft_adapter(path, tiny_cfg, max_rank=16)
+    assert ranks == {key: mod.rank for key, mod in adapter.modules.items()}
+    assert ranks == check_adapter_modules(adapter, tiny_cfg)
+    assert ranks[(1, "q_proj")] == 16 and ranks[(1, "o_proj")] == 4 and ranks[(1, "v_proj")] == 8
+    table = PeftDirSource(path).rank_table("p", tiny_cfg, 16)
+    assert {(int(layer), m): int(table[layer, MODULE_INDEX[m]]) for layer, m in ranks} == ranks
+    assert int(table.sum()) == sum(ranks.values())
+
+
+@pytest.mark.parametrize("rank", ["8", 2.5, True, 0])
+def test_rejects_a_rank_that_is_not_a_positive_int_at_register_and_at_load(good, tiny_cfg, rank):
+    _edit_config(good, rank_pattern={"q_proj": rank})
+    _rejects(good, tiny_cfg, "ranks must be ints >= 1|invalid adapter_config.json")
+    with pytest.raises(AdapterError, match="ranks must be ints >= 1|invalid adapter_config.json"):
+        PeftDirSource(good).rank_table("bad-one", tiny_cfg, 16)

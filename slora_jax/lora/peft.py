@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from ..model.config import ATTN_MODULES, MODULES, ModelConfig, module_key
 from ..model.adapter_weights import LoraAdapter, LoraModule
+from ..model.config import ATTN_MODULES, MODULES, ModelConfig, module_key
 
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
 _KEY_RE = re.compile(
@@ -32,11 +32,16 @@ class AdapterError(ValueError):
         self.reason = reason
 
 
-def _pattern_value(patterns: dict, key: str, default):
+def pattern_value(patterns: dict, key: str, default):
+    """PEFT's ``rank_pattern`` / ``alpha_pattern`` rule: the value of the first pattern matching the end of ``key``
+    (a ``module_key``), else ``default``."""
     for pat, value in patterns.items():
         if re.match(rf"(.*\.)?({pat})$", key):
             return value
     return default
+
+
+_pattern_value = pattern_value  # old name, still imported by slora_jax/tools/synth.py: drop once it imports the above
 
 
 def _targets(cfg: dict, name: str, num_layers: int) -> set[tuple[int, str]]:
@@ -89,6 +94,30 @@ def _check_config(cfg: dict, name: str, max_rank: int | None) -> None:
         raise AdapterError(name, f"rank {max(ranks)} is above the configured maximum {max_rank}")
 
 
+def peft_ranks(cfg: dict, name: str, model: ModelConfig, max_rank: int | None) -> dict[tuple[int, str], int]:
+    """The rank of every (layer, module) an ``adapter_config.json`` adapts, after checking everything about it we
+    cannot serve. The one place PEFT's rank rules live (``r``, ``rank_pattern``, ``target_modules``,
+    ``layers_to_transform``), so a cheap check at register time and the full load never disagree."""
+    try:
+        _check_config(cfg, name, max_rank)
+        pairs = _targets(cfg, name, model.num_hidden_layers)
+        r_default, pattern = cfg.get("r", 8), cfg.get("rank_pattern") or {}
+        ranks = {}
+        for layer, module in sorted(pairs):
+            key = module_key(layer, module)
+            r = pattern_value(pattern, key, r_default)
+            if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+                raise AdapterError(name, f"{key} has rank {r!r}; ranks must be ints >= 1")
+            if max_rank is not None and r > max_rank:
+                raise AdapterError(name, f"{key} has rank {r}, above the configured maximum {max_rank}")
+            ranks[(layer, module)] = r
+    except AdapterError:
+        raise
+    except Exception as e:  # malformed values (wrong types) in an otherwise valid JSON object
+        raise AdapterError(name, f"invalid adapter_config.json: {type(e).__name__}: {e}") from None
+    return ranks
+
+
 def read_adapter_config(path: Path, name: str) -> dict:
     cfg_path = path / "adapter_config.json"
     if not path.is_dir():
@@ -105,12 +134,18 @@ def read_adapter_config(path: Path, name: str) -> dict:
     return cfg
 
 
-def _read_tensors(path: Path, name: str) -> dict[str, np.ndarray]:
+def peft_weights_path(path: Path, name: str) -> Path:
+    """``path``'s ``adapter_model.safetensors``; raises if there is none (cheap: no read)."""
     st = path / "adapter_model.safetensors"
-    if not st.exists():
+    if not st.is_file():
         extra = " (adapter_model.bin is not read: convert it to safetensors)" if (path / "adapter_model.bin").exists() \
             else ""
         raise AdapterError(name, f"missing adapter_model.safetensors in {path}{extra}")
+    return st
+
+
+def _read_tensors(path: Path, name: str) -> dict[str, np.ndarray]:
+    st = peft_weights_path(path, name)
     try:
         with safe_open(str(st), framework="numpy") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
@@ -124,8 +159,8 @@ def load_peft_adapter(path: str | Path, model: ModelConfig, name: str | None = N
     path = Path(path)
     name = name or path.name
     cfg = read_adapter_config(path, name)
-    _check_config(cfg, name, max_rank)
-    expected = _targets(cfg, name, model.num_hidden_layers)
+    ranks = peft_ranks(cfg, name, model, max_rank)
+    expected = set(ranks)
     tensors = _read_tensors(path, name)
 
     found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
@@ -152,8 +187,7 @@ def load_peft_adapter(path: str | Path, model: ModelConfig, name: str | None = N
         names = [module_key(*m) for m in unexpected[:3]]
         raise AdapterError(name, f"weights for module(s) not in target_modules: {names}")
 
-    r_default, alpha_default = cfg.get("r", 8), cfg.get("lora_alpha", 8)
-    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    alpha_default, alpha_pattern = cfg.get("lora_alpha", 8), cfg.get("alpha_pattern") or {}
     modules: dict[tuple[int, str], LoraModule] = {}
     for (layer, module), pair in sorted(found.items()):
         key = module_key(layer, module)
@@ -161,9 +195,7 @@ def load_peft_adapter(path: str | Path, model: ModelConfig, name: str | None = N
             raise AdapterError(name, f"{key} has lora_{'A' if 'A' not in pair else 'B'} missing")
         a_t, b_t = pair["A"], pair["B"]  # [r, d_in], [d_out, r]
         d_in, d_out = model.module_dims(module)
-        r = int(_pattern_value(rank_pattern, key, r_default))
-        if max_rank is not None and r > max_rank:
-            raise AdapterError(name, f"{key} has rank {r}, above the configured maximum {max_rank}")
+        r = ranks[(layer, module)]
         if a_t.ndim != 2 or b_t.ndim != 2 or a_t.shape != (r, d_in) or b_t.shape != (d_out, r):
             raise AdapterError(
                 name, f"{key}: lora_A {tuple(a_t.shape)} / lora_B {tuple(b_t.shape)} do not match the base model "
@@ -172,7 +204,7 @@ def load_peft_adapter(path: str | Path, model: ModelConfig, name: str | None = N
         b = np.asarray(b_t, np.float32)
         if not (np.isfinite(a).all() and np.isfinite(b).all()):
             raise AdapterError(name, f"{key} has non-finite weights (NaN or inf)")
-        alpha = float(_pattern_value(alpha_pattern, key, alpha_default))
+        alpha = float(pattern_value(alpha_pattern, key, alpha_default))
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         modules[(layer, module)] = LoraModule(a=np.ascontiguousarray(a.T), b=np.ascontiguousarray(b.T), scale=scale)
     return LoraAdapter(name=name, modules=modules)

@@ -1,4 +1,5 @@
-"""Turn a host ``LoraAdapter`` into the vector rows and offset tables the unified pool stores (docs/DESIGN.md).
+"""Turn a host ``LoraAdapter`` into the vector rows and offset tables the unified pool stores (docs/DESIGN.md), and
+back; plus the shape checks and per-module rank tables that layout relies on.
 
 Per layer, an adapter is one virtual sequence of V-wide vectors (V = head_dim). For each adapted module, in
 ``MODULES`` order, it holds the A^T rows (``rank`` rows of ``d_in``) and then the B rows (``rank`` rows of
@@ -13,7 +14,8 @@ import math
 import numpy as np
 
 from pallas_kernels.lora_common import pack_offsets
-from slora_jax.model.adapter_weights import LoraAdapter
+from slora_jax.lora.peft import AdapterError
+from slora_jax.model.adapter_weights import LoraAdapter, LoraModule
 from slora_jax.model.config import MODULE_INDEX, MODULES, ModelConfig
 
 
@@ -51,30 +53,63 @@ class AdapterRows:
     def pages_needed(self, page_rows: int) -> int:
         return math.ceil(self.num_vectors / page_rows)
 
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held, tables included (what a host-memory budget counts)."""
+        return sum(a.nbytes for a in (self.vectors, self.rank, self.a_off, self.b_off, self.scale,
+                                      self.layer_num_vectors))
+
+
+def layout_key(config: ModelConfig) -> tuple:
+    """Two configs with equal keys lay adapters out identically (same module dims, layers and vector width)."""
+    return tuple(config.module_dims(m) for m in MODULES) + (config.num_hidden_layers, config.head_dim)
+
+
+def ranks_to_table(ranks: dict[tuple[int, str], int], config: ModelConfig) -> np.ndarray:
+    """``{(layer, module): rank}`` as the int32 ``[L, len(MODULES)]`` table the pool uses (0 = not adapted)."""
+    table = np.zeros((config.num_hidden_layers, len(MODULES)), np.int32)
+    for (layer, module), r in ranks.items():
+        table[layer, MODULE_INDEX[module]] = r
+    return table
+
+
+def check_adapter_modules(adapter: LoraAdapter, config: ModelConfig, name: str | None = None,
+                          max_rank: int | None = None) -> dict[tuple[int, str], int]:
+    """``{(layer, module): rank}`` of an in-memory adapter after checking what is cheap to check (module names,
+    layers, shapes, ranks up to ``max_rank``, finite scales; not the weights). Raises :class:`AdapterError` naming
+    ``name`` (default: the adapter's)."""
+    name = adapter.name if name is None else name
+    ranks = {}
+    for (layer, module), mod in adapter.modules.items():
+        if module not in MODULE_INDEX:
+            raise AdapterError(name, f"unknown module {module!r} (supported: {', '.join(MODULES)})")
+        if not 0 <= layer < config.num_hidden_layers:
+            raise AdapterError(name, f"layer {layer} outside the model's {config.num_hidden_layers} layers")
+        d_in, d_out = config.module_dims(module)
+        r = mod.a.shape[1] if mod.a.ndim == 2 else -1
+        if mod.a.shape != (d_in, r) or mod.b.shape != (r, d_out):
+            raise AdapterError(name, f"layer {layer} {module}: a {mod.a.shape} / b {mod.b.shape} do not match "
+                                     f"[d_in={d_in}, r] / [r, d_out={d_out}]")
+        if max_rank is not None and r > max_rank:
+            raise AdapterError(name, f"layer {layer} {module} has rank {r}, above the maximum {max_rank}")
+        if not math.isfinite(mod.scale):
+            raise AdapterError(name, f"layer {layer} {module} has a non-finite scale {mod.scale}")
+        ranks[(layer, module)] = r
+    return ranks
+
 
 def to_pool_rows(adapter: LoraAdapter, config: ModelConfig, dtype=np.float32) -> AdapterRows:
-    """Lay out ``adapter`` for a model of shape ``config``; raises ValueError on shapes that do not fit."""
+    """Lay out ``adapter`` for a model of shape ``config``; raises ValueError (:class:`AdapterError` for the checks of
+    :func:`check_adapter_modules`) on shapes that do not fit."""
     n_layers, n_mod, vec = config.num_hidden_layers, len(MODULES), config.head_dim
-    rank = np.zeros((n_layers, n_mod), np.int32)
+    rank = ranks_to_table(check_adapter_modules(adapter, config), config)
     scale = np.zeros((n_layers, n_mod), np.float32)
-
     for (layer, module_name), mod in adapter.modules.items():
-        if module_name not in MODULE_INDEX:
-            raise ValueError(f"adapter {adapter.name!r}: unknown module {module_name!r} (expected one of {MODULES})")
-        if not 0 <= layer < n_layers:
-            raise ValueError(f"adapter {adapter.name!r}: layer {layer} out of range for a {n_layers}-layer model")
         d_in, d_out = config.module_dims(module_name)
-        r = mod.rank
-        if mod.a.shape != (d_in, r) or mod.b.shape != (r, d_out):
-            raise ValueError(
-                f"adapter {adapter.name!r} layer {layer} {module_name}: a {mod.a.shape} / b {mod.b.shape} do not "
-                f"match [d_in={d_in}, r] / [r, d_out={d_out}]"
-            )
         if d_in % vec or d_out % vec:
             raise ValueError(f"{module_name}: dims ({d_in}, {d_out}) are not multiples of head_dim {vec}")
         m = MODULE_INDEX[module_name]
-        rank[layer, m] = r
-        scale[layer, m] = mod.scale if r else 0.0
+        scale[layer, m] = mod.scale if rank[layer, m] else 0.0
 
     # One packing rule shared with the kernels' helpers: MODULES order, A^T then B; absent modules take no space.
     a_off, b_off, layer_num_vectors = pack_offsets(rank, [config.module_dims(m) for m in MODULES], vec)
@@ -102,3 +137,18 @@ def to_pool_rows(adapter: LoraAdapter, config: ModelConfig, dtype=np.float32) ->
         scale=scale,
         layer_num_vectors=layer_num_vectors,
     )
+
+
+def adapter_from_rows(rows: AdapterRows, config: ModelConfig) -> LoraAdapter:
+    """Inverse of :func:`to_pool_rows`: float32 ``a [d_in, r]`` / ``b [r, d_out]`` per adapted module."""
+    vec = config.head_dim
+    modules = {}
+    for layer, m in zip(*np.nonzero(rows.rank), strict=True):
+        module = MODULES[m]
+        r, (d_in, d_out) = int(rows.rank[layer, m]), config.module_dims(module)
+        a0, b0 = int(rows.a_off[layer, m]), int(rows.b_off[layer, m])
+        a_t = rows.vectors[layer, a0 : a0 + r * (d_in // vec)].reshape(r, d_in)
+        b = rows.vectors[layer, b0 : b0 + r * (d_out // vec)].reshape(r, d_out)
+        modules[(int(layer), module)] = LoraModule(a=np.ascontiguousarray(a_t.T, np.float32),
+                                                   b=np.asarray(b, np.float32), scale=float(rows.scale[layer, m]))
+    return LoraAdapter(name=rows.name, modules=modules)
