@@ -115,11 +115,12 @@ class Engine:
         ``watch_stop_strings=False``: the caller detokenizes the output itself and aborts on a stop string (the
         server does, off the engine thread), so the engine keeps no detokenizer for this request.
         """
-        sampling = (sampling or SamplingParams()).validate(self.ecfg.max_model_len)
         if not prompt_ids:
             raise RequestRejected("prompt is empty", "prompt")
         if any(not 0 <= int(t) < self.cfg.vocab_size for t in prompt_ids):
             raise RequestRejected(f"prompt token ids must be in [0, {self.cfg.vocab_size})", "prompt")
+        self.scheduler.check_prompt(len(prompt_ids))
+        sampling = (sampling or SamplingParams()).validate()  # the context limit: check_request below
         if adapter is not None and adapter not in self.store:
             raise KeyError(f"unknown adapter {adapter!r}")
         max_tokens = self.scheduler.check_request(len(prompt_ids), sampling.max_tokens, adapter)

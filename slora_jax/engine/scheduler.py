@@ -117,13 +117,17 @@ class Scheduler:
         adapter_pages = self.store.adapter_pages(adapter) if adapter is not None else 0
         return min(self.ecfg.max_model_len, (self.pool.num_pages - adapter_pages) * self.ecfg.page_size)
 
+    def check_prompt(self, n_prompt: int) -> None:
+        """Raise :class:`RequestRejected` for a prompt that leaves no room in the context for even one token."""
+        if n_prompt >= self.ecfg.max_model_len:
+            raise RequestRejected(f"the prompt has {n_prompt} tokens; this model's context is "
+                                  f"{self.ecfg.max_model_len} tokens (prompt + max_tokens must fit)", "prompt")
+
     def check_request(self, n_prompt: int, max_tokens: int | None, adapter: str | None) -> int:
         """Raise :class:`RequestRejected` for a request that could never be admitted (admission would wait for it
         forever); returns its max_tokens, with None resolved to as many as fit."""
         max_len = self.ecfg.max_model_len
-        if n_prompt >= max_len:
-            raise RequestRejected(f"the prompt has {n_prompt} tokens; this model's context is {max_len} tokens "
-                                  f"(prompt + max_tokens must fit)", "prompt")
+        self.check_prompt(n_prompt)
         room = self.kv_room(adapter)
         if max_tokens is None:
             max_tokens = max(1, room - n_prompt)

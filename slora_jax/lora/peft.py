@@ -41,7 +41,6 @@ def pattern_value(patterns: dict, key: str, default):
     return default
 
 
-_pattern_value = pattern_value  # old name, still imported by slora_jax/tools/synth.py: drop once it imports the above
 
 
 def _targets(cfg: dict, name: str, num_layers: int) -> set[tuple[int, str]]:

@@ -13,6 +13,10 @@ import os
 import sys
 from pathlib import Path
 
+from pallas_kernels.backends import backend_names
+
+from ..engine.scheduler import POLICIES
+
 log = logging.getLogger("slora_jax.serve")
 
 
@@ -42,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt + output tokens (default: the model's, at most 2048)")
     e.add_argument("--max-prefill-tokens", type=int, default=None, help="tokens per prefill step (>= max-model-len)")
     e.add_argument("--max-waiting", type=int, default=4096, help="queued requests before 429")
+    e.add_argument("--scheduling-policy", choices=sorted(POLICIES), default="fcfs",
+                   help="order in which waiting requests are admitted (and their adapters prefetched)")
     e.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    e.add_argument("--backend", choices=["pallas", "reference"], default=None,
+    e.add_argument("--backend", choices=backend_names(), default=None,
                    help="kernels: pallas (GPU default) or the jnp reference (CPU default)")
     e.add_argument("--layer-loop", choices=["auto", "scan", "unroll"], default="auto",
                    help="unroll: per-layer weights, no per-step weight copies (auto on GPU); scan: stacked weights, "
@@ -83,11 +89,6 @@ def _on_gpu() -> bool:
     import jax
 
     return jax.default_backend() == "gpu"
-
-
-# Tile sizes for compiled kernels on the GPU (tl.dot-sized; measured in benchmarks/NOTES.md). The small CPU defaults
-# keep interpret mode and tiny test models fast.
-GPU_TILES = dict(lora_block_t=64, attn_block_q=128, min_prefill_bucket=128)
 
 
 def _default_pool_bytes(on_gpu: bool) -> int:
@@ -166,9 +167,10 @@ def build_server(args: argparse.Namespace):
         max_prefill_tokens=max(args.max_prefill_tokens or max_len, max_len), page_size=args.page_size,
         max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
         pool_bytes=pool_bytes, num_pages=args.num_pages, dtype=dtype, backend=backend, max_waiting=args.max_waiting,
+        scheduling_policy=args.scheduling_policy,
         layer_loop=args.layer_loop,
-        decode_lora_variants=on_gpu,  # fewer kernel launches matter on a GPU; on CPU they only triple decode compiles
-        **(GPU_TILES if on_gpu else {}))
+        decode_lora_variants=on_gpu)  # fewer launches matter on a GPU; on CPU they only triple decode compiles
+    # kernel tiles: the backend's defaults for this platform (pallas_kernels.backends.default_tiles)
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:
         log.warning("%s has no tokenizer: only token-id prompts on /v1/completions will work", model_dir)

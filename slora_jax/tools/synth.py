@@ -94,7 +94,7 @@ def write_adapter(out: str | Path, model: ModelConfig, rank: int = 8, alpha: flo
                   layers_to_transform: list[int] | None = None, strength: float = 0.3,
                   extra_config: dict | None = None) -> Path:
     """A random PEFT LoRA dir (B non-zero, unlike PEFT's init, so the adapter changes the output)."""
-    from ..lora.peft import _pattern_value  # the same pattern rules the reader uses
+    from ..lora.peft import pattern_value  # the same pattern rules the reader uses
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,8 +106,8 @@ def write_adapter(out: str | Path, model: ModelConfig, rank: int = 8, alpha: flo
     for layer in layers:
         for m in targets:
             key = module_key(layer, m)
-            r = int(_pattern_value(rank_pattern, key, rank))
-            a_ = float(_pattern_value(alpha_pattern, key, alpha))
+            r = int(pattern_value(rank_pattern, key, rank))
+            a_ = float(pattern_value(alpha_pattern, key, alpha))
             scale = a_ / math.sqrt(r) if use_rslora else a_ / r
             d_in, d_out = model.module_dims(m)
             a = rng.standard_normal((r, d_in), dtype=np.float32) / math.sqrt(d_in)
