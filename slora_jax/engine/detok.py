@@ -1,4 +1,5 @@
-"""Per-request incremental detokenization with stop strings (used by the engine for stop strings, and by HTTP).
+"""Per-request incremental detokenization with stop strings: one per request, kept by the engine (offline callers)
+or by the server (which watches stop strings off the engine thread and aborts).
 
 Two things make naive deltas wrong, and both are handled here:
 
