@@ -8,6 +8,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from store_helpers import StoreMaker, logged_rng  # noqa: E402
 
 from slora_jax.model.config import ModelConfig  # noqa: E402
 from slora_jax.tools import synth  # noqa: E402
@@ -57,3 +58,16 @@ def adapter_dirs(tmp_path_factory, tiny_cfg):
     root = tmp_path_factory.mktemp("adapters")
     return {name: synth.write_adapter(root / name, tiny_cfg, seed=10 + i, **spec)
             for i, (name, spec) in enumerate(ADAPTER_SPECS.items())}
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh random generator per test, its seed printed (shown on failure, to replay)."""
+    return logged_rng(request.node.name)
+
+
+@pytest.fixture
+def make_store(tiny_cfg):
+    """Makes small adapter stores for a test and closes them all after it."""
+    with StoreMaker(tiny_cfg) as make:
+        yield make

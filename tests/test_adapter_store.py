@@ -19,9 +19,7 @@ from store_helpers import (
     MAX_RANK,
     QKVO,
     GatedSource,
-    StoreMaker,
     assert_holds,
-    logged_rng,
     random_adapter,
     record_stage_threads,
     seed_of,
@@ -36,18 +34,6 @@ from slora_jax.lora.peft import load_peft_adapter
 from slora_jax.lora.synthetic import SyntheticAdapterSource, synthetic_adapter
 from slora_jax.model.config import MODULES, ModelConfig
 from slora_jax.tools import synth
-
-
-@pytest.fixture
-def rng(request):
-    return logged_rng(request.node.name)
-
-
-@pytest.fixture
-def make_store(tiny_cfg):
-    with StoreMaker(tiny_cfg) as make:
-        yield make
-
 
 # ---- sources and exact placement -------------------------------------------------------------------------------------
 

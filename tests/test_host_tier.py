@@ -12,9 +12,7 @@ import numpy as np
 import pytest
 from store_helpers import (
     GatedSource,
-    StoreMaker,
     assert_holds,
-    logged_rng,
     random_adapter,
     seed_of,
     wait_host,
@@ -26,18 +24,6 @@ from slora_jax.lora.peft import AdapterError, load_peft_adapter
 from slora_jax.lora.pool_rows import to_pool_rows
 from slora_jax.lora.synthetic import SyntheticAdapterSource
 from slora_jax.tools import synth
-
-
-@pytest.fixture
-def rng(request):
-    return logged_rng(request.node.name)
-
-
-@pytest.fixture
-def make_store(tiny_cfg):
-    with StoreMaker(tiny_cfg) as make:
-        yield make
-
 
 # ---- host rows: LRU within budget, concurrent reads, read-ahead ------------------------------------------------------
 
