@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import ml_dtypes
 import numpy as np
 
 from pallas_kernels.lora_common import pack_offsets
-from slora_jax.lora.peft import AdapterError
+from slora_jax.lora.errors import AdapterError
 from slora_jax.model.adapter_weights import LoraAdapter, LoraModule
 from slora_jax.model.config import MODULE_INDEX, MODULES, ModelConfig
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)  # the scale table's dtype
 
 
 @dataclasses.dataclass
@@ -98,11 +101,43 @@ def check_adapter_modules(adapter: LoraAdapter, config: ModelConfig, name: str |
     return ranks
 
 
+def check_weight_values(adapter: LoraAdapter, dtype, name: str | None = None) -> None:
+    """Refuse weights a pool of ``dtype`` cannot serve: non-finite ones, ones beyond the dtype's largest value
+    (bf16 ~3.39e38, float16 65504), and modules whose update could overflow it.
+
+    The update of a module is ``scale * (x @ a) @ b``; each of its entries is at most ``gain * max|x|`` with
+    ``gain = |scale| * max column sum of |a| * max column sum of |b|``. We require ``gain <= sqrt(max of dtype)``
+    (1.8e19 for bf16 and float32, 256 for float16), so inputs up to that size cannot overflow it. Trained adapters
+    sit far below (a rank-64 Llama-7B adapter: ~10); weights of 1e20, or a huge scale, do not, and used to make
+    every token of the adapter's requests non-finite (served as token 0 forever).
+    """
+    name = adapter.name if name is None else name
+    dtype = np.dtype(dtype)
+    limit = float(ml_dtypes.finfo(dtype).max)
+    for (layer, module), mod in adapter.modules.items():
+        where = f"layer {layer} {module}"
+        if not math.isfinite(mod.scale) or abs(mod.scale) > _FLOAT32_MAX:
+            raise AdapterError(name, f"{where} has scale {mod.scale}; it must be finite within float32's range")
+        if not (np.isfinite(mod.a).all() and np.isfinite(mod.b).all()):
+            raise AdapterError(name, f"{where} has non-finite weights (NaN or inf)")
+        a_abs, b_abs = np.abs(mod.a), np.abs(mod.b)
+        peak = float(max(a_abs.max(initial=0), b_abs.max(initial=0)))
+        if peak > limit:
+            raise AdapterError(name, f"{where} has weights up to {peak:.4g}, beyond {dtype.name}'s largest value "
+                                     f"{limit:.4g}")
+        gain = (abs(mod.scale) * float(a_abs.sum(axis=0, dtype=np.float64).max(initial=0))
+                * float(b_abs.sum(axis=0, dtype=np.float64).max(initial=0)))
+        if gain > math.sqrt(limit):
+            raise AdapterError(name, f"{where}: its update can reach {gain:.4g} times the input's largest entry, "
+                                     f"above the limit {math.sqrt(limit):.4g} for {dtype.name} (its values overflow)")
+
+
 def to_pool_rows(adapter: LoraAdapter, config: ModelConfig, dtype=np.float32) -> AdapterRows:
     """Lay out ``adapter`` for a model of shape ``config``; raises ValueError (:class:`AdapterError` for the checks of
-    :func:`check_adapter_modules`) on shapes that do not fit."""
+    :func:`check_adapter_modules` and :func:`check_weight_values`) on shapes or values that do not fit."""
     n_layers, n_mod, vec = config.num_hidden_layers, len(MODULES), config.head_dim
     rank = ranks_to_table(check_adapter_modules(adapter, config), config)
+    check_weight_values(adapter, dtype)
     scale = np.zeros((n_layers, n_mod), np.float32)
     for (layer, module_name), mod in adapter.modules.items():
         d_in, d_out = config.module_dims(module_name)

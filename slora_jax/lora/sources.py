@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from slora_jax.lora.peft import AdapterError, load_peft_adapter, peft_ranks, peft_weights_path, read_adapter_config
+from slora_jax.lora.errors import rejecting
+from slora_jax.lora.peft import check_peft_dir, load_peft_adapter
 from slora_jax.lora.pool_rows import AdapterRows, check_adapter_modules, ranks_to_table, to_pool_rows
 from slora_jax.model.adapter_weights import LoraAdapter
 from slora_jax.model.config import ModelConfig
@@ -36,20 +37,28 @@ class AdapterSource(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class PeftDirSource(AdapterSource):
-    """A PEFT LoRA dir (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+    """A PEFT LoRA dir (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+    ``allowed_roots`` (resolved dirs; runtime loads): every file read must really be inside one of them, checked on
+    each read, so a file swapped for a symlink after registration is refused too (:class:`AdapterNotAllowed`).
+    """
 
     path: Path
+    allowed_roots: tuple[Path, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "path", Path(self.path))
+        object.__setattr__(self, "allowed_roots", tuple(Path(root) for root in self.allowed_roots))
 
     def rank_table(self, name, model_cfg, max_rank):
-        ranks = peft_ranks(read_adapter_config(self.path, name), name, model_cfg, max_rank)
-        peft_weights_path(self.path, name)
-        return ranks_to_table(ranks, model_cfg)
+        return ranks_to_table(check_peft_dir(self.path, model_cfg, name, max_rank, self.allowed_roots), model_cfg)
 
     def load_rows(self, name, model_cfg, max_rank, dtype):
-        adapter = load_peft_adapter(self.path, model_cfg, name, max_rank)
+        # Through ``rejecting``: a failure's traceback then keeps neither the adapter read nor its rows alive.
+        return rejecting(name, self._rows, name, model_cfg, max_rank, dtype)
+
+    def _rows(self, name, model_cfg, max_rank, dtype) -> AdapterRows:
+        adapter = load_peft_adapter(self.path, model_cfg, name, max_rank, self.allowed_roots)
         return to_pool_rows(adapter, model_cfg, dtype)
 
 
@@ -63,15 +72,8 @@ class InMemorySource(AdapterSource):
         return ranks_to_table(check_adapter_modules(self.adapter, model_cfg, name, max_rank), model_cfg)
 
     def load_rows(self, name, model_cfg, max_rank, dtype):
-        for (layer, module), mod in self.adapter.modules.items():
-            if not (np.isfinite(mod.a).all() and np.isfinite(mod.b).all()):
-                raise AdapterError(name, f"layer {layer} {module} has non-finite weights (NaN or inf)")
-        try:
-            rows = to_pool_rows(self.adapter, model_cfg, dtype)
-        except AdapterError as e:  # names the adapter object, which may differ from the registered name
-            raise AdapterError(name, e.reason) from None
-        except ValueError as e:
-            raise AdapterError(name, str(e)) from None
+        # ``rejecting`` names the registered name (the adapter object's may differ) and drops the frames' arrays.
+        rows = rejecting(name, to_pool_rows, self.adapter, model_cfg, dtype)
         rows.name = name
         return rows
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from pallas_kernels.lora_common import pack_offsets
-from slora_jax.lora.peft import AdapterError
+from slora_jax.lora.errors import AdapterError
 from slora_jax.lora.pool_rows import AdapterRows, adapter_from_rows, layout_key, ranks_to_table
 from slora_jax.lora.sources import AdapterSource
 from slora_jax.model.adapter_weights import LoraAdapter

@@ -1,17 +1,31 @@
 """Adapters by name: the one path that validates and registers an adapter, for ``--lora-modules`` at start-up and
-``/v1/load_lora_adapter`` at run time, plus the rules of runtime loads (allowed directories) and of unloading.
+``/v1/load_lora_adapter`` at run time, plus the rules of runtime loads (names, allowed directories) and of unloading.
 
 Registration reads and checks every weight before the name is served (``engine.register_adapter(verify=True)``), so
 a corrupt or mismatched adapter is refused with its reason and never reaches a request. Refusals are
 :class:`APIError` s with the status the HTTP API answers; the CLI reports their message and stops.
+
+Runtime loads are untrusted: a name must be printable and at most :data:`MAX_NAME_CHARS` long; a path must be
+printable, at most :data:`MAX_PATH_CHARS` long, and everything it leads to must really be inside an allowed
+directory, symlinks followed at every level, the adapter's files included (403 otherwise; checked again on the
+opened files at read time, see ``lora.adapter_files``).
 """
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
-from ..lora.peft import AdapterError
+from ..lora.adapter_files import inside
+from ..lora.peft import AdapterError, AdapterNotAllowed
+from ..lora.sources import PeftDirSource
 from .protocol import APIError
+
+MAX_NAME_CHARS = 256
+MAX_PATH_CHARS = 4096
+_PATH_ERRORS = {errno.ELOOP: "it contains a symlink loop", errno.ENAMETOOLONG: "a name in it is too long",
+                errno.EACCES: "the server may not read it"}
 
 
 class AdapterAdmin:
@@ -20,30 +34,47 @@ class AdapterAdmin:
         self.allowed_roots = tuple(Path(d).expanduser().resolve() for d in allowed_dirs)
 
     def check_name(self, name: str) -> None:
-        if name == self.base_name or name != name.strip():
-            raise APIError(400, f"invalid adapter name {name!r}", "lora_name")
+        """400 unless ``name`` is a usable adapter name: 1..MAX_NAME_CHARS printable characters, no surrounding
+        whitespace, not the base model's name."""
+        if not isinstance(name, str) or not name or name != name.strip():
+            raise APIError(400, f"invalid adapter name {name!r}: empty or surrounded by whitespace", "lora_name")
+        if len(name) > MAX_NAME_CHARS:
+            raise APIError(400, f"adapter name of {len(name)} characters (the limit is {MAX_NAME_CHARS})",
+                           "lora_name")
+        if not name.isprintable():
+            raise APIError(400, f"invalid adapter name {name!r}: it contains control characters", "lora_name")
+        if name == self.base_name:
+            raise APIError(400, f"invalid adapter name {name!r}: that is the base model's name", "lora_name")
 
     def resolve_path(self, raw: str) -> Path:
-        """A runtime-load path inside an allowed directory (relative paths are tried under each), else 403."""
+        """A runtime-load path, resolved, that is inside an allowed directory (403 otherwise); relative paths are
+        tried under each allowed directory in turn, and the first that exists decides. 400 for a malformed path."""
         if not self.allowed_roots:
             raise APIError(403, "loading adapters at run time is disabled (start the server with --adapter-dir or "
                            "--allowed-adapter-dir)", "lora_path")
-        given = Path(raw).expanduser()
+        given = self._parse(raw)
         candidates = [given] if given.is_absolute() else [root / given for root in self.allowed_roots]
-        inside = [c.resolve() for c in candidates]
-        inside = [r for r in inside if any(r == root or r.is_relative_to(root) for root in self.allowed_roots)]
-        if not inside:
-            raise APIError(403, f"{raw!r} is outside the directories adapters may be loaded from", "lora_path")
-        return next((r for r in inside if r.exists()), inside[0])
+        resolved = [self._resolve(raw, c) for c in candidates]
+        existing = [real for real, exists in resolved if exists]
+        # Nothing there: refuse if any reading of it points outside (``..``, a dangling symlink); else its load says
+        # it is missing.
+        chosen = existing[:1] or [real for real, _ in resolved]
+        if not all(inside(real, self.allowed_roots) for real in chosen):
+            raise APIError(403, f"{raw[:200]!r} is outside the directories adapters may be loaded from", "lora_path")
+        return chosen[0]
 
     def register(self, name: str, path: Path) -> None:
         """Validate the adapter fully, then serve it as ``name``. Blocks on disk: call it off the event loop and
-        off the engine thread (any other thread is fine; registration is thread-safe)."""
+        off the engine thread (any other thread is fine; registration is thread-safe). With allowed directories,
+        the adapter's files are read only if they really are inside them (403 otherwise)."""
         self.check_name(name)
         if self.engine.has_adapter(name):
             raise APIError(400, f"an adapter named {name!r} is already loaded; unload it first", "lora_name")
+        source = PeftDirSource(path, allowed_roots=self.allowed_roots)
         try:
-            self.engine.register_adapter(name, path, verify=True)
+            self.engine.register_adapter(name, source, verify=True)
+        except AdapterNotAllowed as e:
+            raise APIError(403, str(e), "lora_path") from None
         except AdapterError as e:
             raise APIError(400, str(e), "lora_path") from None
         except OSError as e:
@@ -65,3 +96,32 @@ class AdapterAdmin:
             raise APIError(404, f"no adapter named {name!r} is loaded", "lora_name") from None
         except (RuntimeError, ValueError) as e:  # e.g. still used by running requests
             raise APIError(409, str(e), "lora_name") from None
+
+    # ---- path rules -----------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _parse(raw: str) -> Path:
+        """``raw`` as a path, or 400: too long, control characters (NUL included), a ``~user`` that does not exist."""
+        if len(raw) > MAX_PATH_CHARS:
+            raise APIError(400, f"lora_path of {len(raw)} characters (the limit is {MAX_PATH_CHARS})", "lora_path")
+        if not raw.isprintable():
+            raise APIError(400, f"lora_path {raw[:200]!r} contains control characters", "lora_path")
+        try:
+            return Path(raw).expanduser()
+        except (RuntimeError, KeyError):  # ~nosuchuser
+            raise APIError(400, f"lora_path {raw[:200]!r}: cannot expand the home directory in it",
+                           "lora_path") from None
+
+    @staticmethod
+    def _resolve(raw: str, candidate: Path) -> tuple[Path, bool]:
+        """(real path, whether it exists): every symlink followed, dangling ones to where they point. 400 for a
+        symlink loop, an over-long name, or a path the server may not read."""
+        try:
+            return Path(os.path.realpath(candidate, strict=True)), True
+        except OSError as e:
+            if e.errno in _PATH_ERRORS:
+                raise APIError(400, f"lora_path {raw[:200]!r}: {_PATH_ERRORS[e.errno]}", "lora_path") from None
+        try:
+            return Path(os.path.realpath(candidate)), False
+        except (OSError, ValueError) as e:
+            raise APIError(400, f"lora_path {raw[:200]!r}: {e}", "lora_path") from None
