@@ -118,3 +118,22 @@ def start_server(root: Path, n_adapters: int = 8, api_key: str | None = None, al
                     tokenizer=load_tokenizer(model_dir))
     server.start_background()
     return RunningServer(server, engine, model_dir, adapter_dir, list(adapters), api_key)
+
+
+def start_server_with_options(root: Path, server_options: dict, n_adapters: int = 4, api_key: str | None = None,
+                              **engine_overrides) -> RunningServer:
+    """Like :func:`start_server`, with ``ServerConfig`` fields of the test's choosing (limits, timeouts, shutdown
+    grace)."""
+    model_dir = write_model_with_tokenizer(root / "model")
+    cfg = ModelConfig.from_model_dir(model_dir)
+    adapter_dir = root / "adapters"
+    adapters = write_adapters(adapter_dir, cfg, n_adapters)
+    ecfg = EngineConfig(**{**SMALL_ENGINE, **engine_overrides})
+    engine = Engine.from_model_dir(model_dir, ecfg, adapters=adapters, tokenizer=load_tokenizer(model_dir),
+                                   progress=False)
+    config = ServerConfig(served_model_name=BASE_NAME, api_key=api_key, allowed_adapter_dirs=(adapter_dir,),
+                          **server_options)
+    server = Server(engine, config, host="127.0.0.1", port=0, log_level="warning",
+                    tokenizer=load_tokenizer(model_dir))
+    server.start_background()
+    return RunningServer(server, engine, model_dir, adapter_dir, list(adapters), api_key)

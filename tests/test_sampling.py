@@ -7,7 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from slora_jax.engine.sampling import SamplingArrays, SamplingParams, sampling_arrays
+from slora_jax.engine.sampling import (
+    INT32_MAX,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingArrays,
+    SamplingParams,
+    sampling_arrays,
+)
 from slora_jax.engine.sampling import sample as _sample
 
 sample = jax.jit(_sample)
@@ -73,7 +81,37 @@ def test_same_seed_and_counter_repeat_and_counters_differ():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-3),
-                                 dict(max_tokens=0), dict(seed=-1), dict(stop=("",)), dict(temperature=float("nan"))])
+                                 dict(max_tokens=0), dict(seed=-1), dict(stop=("",)), dict(temperature=float("nan")),
+                                 dict(seed=2**63), dict(top_k=1.5), dict(top_k=True), dict(top_p=float("inf")),
+                                 dict(stop=("s",) * (MAX_STOP_STRINGS + 1)),
+                                 dict(stop=("s" * (MAX_STOP_STRING_CHARS + 1),)),
+                                 dict(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1))),
+                                 dict(stop_token_ids=(2**31,)), dict(stop_token_ids=(-1,))])
 def test_invalid_sampling_values_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad).validate()
+
+
+@pytest.mark.parametrize("top_p", [1e-38, 1e-45, 5e-324, 1e-7])
+def test_a_top_p_too_small_for_float32_is_greedy(top_p):
+    """float32 flushes such a top_p to 0 on the device, which would keep no token and always yield token 0."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 64)).astype(np.float32) * 2
+    logits[:, 0] = logits.min() - 5  # token 0 is the least likely: picking it would be the flush-to-zero bug
+    params = [SamplingParams(temperature=1.0, top_p=top_p).validate()] * 2
+    for seed in range(20):
+        out = np.asarray(sample(jnp.asarray(logits), _arrays(params, [seed, seed + 100], [0, 3])))
+        np.testing.assert_array_equal(out, logits.argmax(axis=-1))
+
+
+@pytest.mark.parametrize("top_k", [2**31, 2**40, 2**63 - 1, 10**30])
+def test_a_top_k_beyond_int32_means_off(top_k):
+    """It used to overflow the int32 sampler input and fail the whole step; it keeps every token, like top_k=0."""
+    arrays = sampling_arrays([SamplingParams(temperature=1.0, top_k=top_k).validate()], [7], [0], 1)
+    assert arrays["top_k"].dtype == np.int32 and arrays["top_k"][0] == INT32_MAX
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((1, 300)).astype(np.float32))
+    off = [SamplingParams(temperature=1.0, top_k=0)]
+    huge = [SamplingParams(temperature=1.0, top_k=top_k)]
+    a = [int(sample(logits, _arrays(off, [5], [c]))[0]) for c in range(30)]
+    b = [int(sample(logits, _arrays(huge, [5], [c]))[0]) for c in range(30)]
+    assert a == b and len(set(a)) > 3

@@ -8,6 +8,7 @@ exact, and the text must be the tokenizer's decoding of those ids.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -209,6 +210,70 @@ def test_many_concurrent_requests_on_different_adapters(srv, aclient_factory):
     stats = srv.wait_idle()
     assert stats["pool"]["pages_kv"] == 0
     assert stats["adapters"]["evictions"] > 0  # 12 adapters through 8 slots
+
+
+BAD_SEED = 2**62 + 12345  # never a server-drawn seed (those are < 2**31): marks the request whose inputs "break"
+
+
+def test_one_requests_bad_step_inputs_fail_only_that_request(srv, monkeypatch):
+    """A request whose step inputs cannot be packed (here: its sampling row raises once it is decoding) ends with a
+    400 of its own, streamed or not; the streams of other adapters running beside it are untouched and give their
+    usual greedy tokens. (Before, the step raised and the failure handler ended every running request.)"""
+    from slora_jax.engine import step_runner
+
+    real = step_runner.sampling_arrays
+
+    def fragile(params, seeds, counters, rows):
+        if any(p is not None and p.seed == BAD_SEED and c >= 2 for p, c in zip(params, counters, strict=False)):
+            raise OverflowError("injected: this request's sampling row cannot be packed")
+        return real(params, seeds, counters, rows)
+
+    monkeypatch.setattr(step_runner, "sampling_arrays", fragile)
+    tok = srv.tokenizer
+    n = 6
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(n)]
+    models = [srv.adapters[i] for i in range(n)]
+    expected = _greedy_reference(srv, [tok.encode(p) for p in prompts], models)
+    steps_before = srv.stats()["steps"]
+
+    async def good(client, i: int) -> list[int]:
+        body = {"model": models[i], "prompt": prompts[i], "max_tokens": MAX_TOKENS, "temperature": 0,
+                "return_token_ids": True, "stream": True}
+        ids, done = [], False
+        async with client.stream("POST", "/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    ids += event["choices"][0].get("token_ids") or []
+        assert done
+        return ids
+
+    async def bad(client, stream: bool):
+        body = {"model": srv.adapters[7], "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0.5,
+                "seed": BAD_SEED, "stream": stream}
+        async with client.stream("POST", "/completions", json=body) as r:
+            return r.status_code, (await r.aread()).decode()
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=120) as client:
+            return await asyncio.wait_for(asyncio.gather(*(good(client, i) for i in range(n)), bad(client, True),
+                                                         bad(client, False)), 180)
+
+    *got, (s_status, s_body), (j_status, j_body) = asyncio.run(run())
+    assert got == expected
+    assert s_status == 200  # the stream had started: its end is an error event, then [DONE]
+    events = [e for e in s_body.split("\n\n") if e]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == 400 and "invalid request" in error["message"] and "injected" in error["message"]
+    assert events[-1] == "data: [DONE]"
+    assert j_status == 400 and "injected" in json.loads(j_body)["error"]["message"]
+    stats = srv.wait_idle()
+    assert stats["pool"]["pages_kv"] == 0 and stats["steps"] > steps_before
+    assert srv.server.engine_thread.step_failures == 0  # refused before dispatch: no step failed
 
 
 def test_metrics_exposed(srv):

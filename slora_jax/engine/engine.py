@@ -34,7 +34,7 @@ from .pool import PagedPool
 from .sampling import SamplingParams
 from .scheduler import RequestRejected, Scheduler
 from .sequence import RequestOutput, Sequence, Status
-from .step_runner import StepItem, StepRunner, lora_variant
+from .step_runner import StepInputError, StepItem, StepRunner, lora_variant
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,10 @@ class StepTiming(NamedTuple):
     prefetch: float  # adapters of the waiting head: host reads started, pool loads queued
     wait: float  # reading the previous step's tokens back
     append: float  # tokens appended, stops checked, callbacks run
+
+
+# The start of the error of a request ended for its own input (a server answers it with 400, not 500).
+INVALID_REQUEST = "invalid request"
 
 
 class QueueFull(RuntimeError):
@@ -121,6 +125,8 @@ class Engine:
             raise RequestRejected(f"prompt token ids must be in [0, {self.cfg.vocab_size})", "prompt")
         self.scheduler.check_prompt(len(prompt_ids))
         sampling = (sampling or SamplingParams()).validate()  # the context limit: check_request below
+        if any(t >= self.cfg.vocab_size for t in sampling.stop_token_ids):
+            raise RequestRejected(f"stop_token_ids must be in [0, {self.cfg.vocab_size})", "stop_token_ids")
         if adapter is not None and adapter not in self.store:
             raise KeyError(f"unknown adapter {adapter!r}")
         max_tokens = self.scheduler.check_request(len(prompt_ids), sampling.max_tokens, adapter)
@@ -174,16 +180,12 @@ class Engine:
         previous = self._inflight
         t1 = time.perf_counter()
         if plan is not None:
-            items = [self._item(seq, plan.kind) for seq in plan.seqs]
-            if plan.kind == "prefill":
-                next_ids, self.pool.array = self.runner.prefill(self.params, self.pool.array, self.pool.table, items)
+            next_ids, failed = self._dispatch(plan, previous)
+            outputs += failed
+            if next_ids is None:  # every sequence of the plan was refused
+                plan = None
             else:
-                prev_ids = previous[2] if previous is not None else None
-                slots = [seq.adapter_slot for seq in plan.seqs if seq.adapter_slot >= 0]
-                lora = lora_variant(self.pool.slot_modules[slots].any(axis=0))
-                next_ids, self.pool.array = self.runner.decode(self.params, self.pool.array, self.pool.table, items,
-                                                               prev_ids, lora=lora)
-            self.num_steps += 1
+                self.num_steps += 1
         t2 = time.perf_counter()
         # dispatched (or nothing to run): the new step's tokens are now the ones on the device
         self._inflight = None
@@ -207,6 +209,35 @@ class Engine:
         else:
             self._record_timing((t1 - t0, t2 - t1, t3 - t2, 0.0, time.perf_counter() - t3))
         return outputs
+
+    def _dispatch(self, plan, previous) -> tuple[jax.Array | None, list[RequestOutput]]:
+        """Queue the plan's step; returns (its token ids on the device, outputs of refused sequences).
+
+        A sequence whose own inputs cannot be packed for the step (found before dispatch, the pool untouched) ends
+        with an error and leaves the plan; the others run as if it had never been there. ``next_ids`` is None when
+        no sequence is left."""
+        failed = []
+        while plan.seqs:
+            items = [self._item(seq, plan.kind) for seq in plan.seqs]
+            try:
+                if plan.kind == "prefill":
+                    next_ids, self.pool.array = self.runner.prefill(self.params, self.pool.array, self.pool.table,
+                                                                    items)
+                else:
+                    prev_ids = previous[2] if previous is not None else None
+                    slots = [seq.adapter_slot for seq in plan.seqs if seq.adapter_slot >= 0]
+                    lora = lora_variant(self.pool.slot_modules[slots].any(axis=0))
+                    next_ids, self.pool.array = self.runner.decode(self.params, self.pool.array, self.pool.table,
+                                                                   items, prev_ids, lora=lora)
+                return next_ids, failed
+            except StepInputError as e:
+                bad = [plan.seqs[i] for i in e.rows]
+                log.warning("refusing %d request(s) whose step inputs cannot be built: %s", len(bad), e)
+                for seq in bad:
+                    failed.append(self._finish(seq, "error", f"{INVALID_REQUEST}: its step inputs cannot be built "
+                                                             f"({e})"))
+                plan.seqs = [seq for seq in plan.seqs if seq not in bad]
+        return None, failed
 
     def _prefetch_head(self, read_ahead: bool = True) -> None:
         """Adapters for the head of the waiting queue: onto the device (and into the pool where there is room);
@@ -297,6 +328,11 @@ class Engine:
         """The pool array was donated to a step that failed: KV cache and resident adapters are gone for good."""
         is_deleted = getattr(self.pool.array, "is_deleted", None)
         return bool(is_deleted is not None and is_deleted())
+
+    def check_prompt_length(self, n_prompt: int) -> None:
+        """Thread-safe: :class:`RequestRejected` for a prompt of ``n_prompt`` tokens that leaves no room in the
+        context (what ``add_request`` checks first; a server asks before queueing an oversized prompt)."""
+        self.scheduler.check_prompt(n_prompt)
 
     def has_adapter(self, name: str) -> bool:
         """Thread-safe: whether ``name`` is a registered adapter (it may still fail to load)."""

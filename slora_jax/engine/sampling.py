@@ -8,6 +8,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# What one request may ask for (OpenAI caps ``stop`` at 4; we allow more). Each bounds per-token host work: every
+# stop string is searched for in each new piece of text, and the detokenizer holds back the longest one's length.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_SEED = 2**63  # exclusive
+INT32_MAX = 2**31 - 1
+# The smallest top_p sent to the device. A smaller one (1e-38 and below) flushes to 0 in float32 there, which would
+# keep no token at all; any top_p this small keeps only the most likely token, i.e. it is greedy, and so is the floor
+# (the top token's probability is at least 1 / vocab > 1e-6 for every vocabulary below a million entries).
+TOP_P_FLOOR = 1e-6
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -23,24 +35,40 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self, max_model_len: int | None = None) -> SamplingParams:
-        """Raise ValueError with a clear message for values we will not serve."""
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        """Raise ValueError with a clear message for values we will not serve. A top_k beyond the vocabulary is
+        valid (it keeps every token, like 0)."""
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if max_model_len is not None and self.max_tokens is not None and self.max_tokens > max_model_len:
             raise ValueError(f"max_tokens {self.max_tokens} exceeds the model's context of {max_model_len} tokens")
-        if not np.isfinite(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
-        if not np.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                             "are accepted")
+        if any(not _is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids (non-negative integers)")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are accepted")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be non-empty strings")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
         return self
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool) and bool(np.isfinite(x))
 
 
 @jax.tree_util.register_dataclass
@@ -57,7 +85,9 @@ class SamplingArrays:
 
 def sampling_arrays(params: list[SamplingParams | None], seeds: list[int], counters: list[int],
                     rows: int) -> dict[str, np.ndarray]:
-    """Numpy inputs for ``rows`` rows (padded); ``seeds`` are already resolved per request."""
+    """Numpy inputs for ``rows`` rows (padded); ``seeds`` are already resolved per request. Values are brought into
+    what the step holds: top_k beyond int32 is off anyway (the device clamps it to the vocabulary), a top_p that
+    float32 would flush to 0 is raised to :data:`TOP_P_FLOOR` (both greedy)."""
     temp = np.zeros(rows, np.float32)
     top_k = np.zeros(rows, np.int32)
     top_p = np.ones(rows, np.float32)
@@ -66,7 +96,7 @@ def sampling_arrays(params: list[SamplingParams | None], seeds: list[int], count
     for i, p in enumerate(params):
         if p is None:
             continue
-        temp[i], top_k[i], top_p[i] = p.temperature, max(p.top_k, 0), p.top_p
+        temp[i], top_k[i], top_p[i] = p.temperature, min(max(p.top_k, 0), INT32_MAX), max(p.top_p, TOP_P_FLOOR)
         seed[i], counter[i] = (seeds[i] ^ (seeds[i] >> 32)) & 0xFFFFFFFF, counters[i]  # 64-bit seeds: fold the top
     return dict(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, counter=counter)
 

@@ -54,6 +54,15 @@ def lora_variant(targets: np.ndarray) -> str:
     return next(name for name, mods in LORA_VARIANTS.items() if want <= set(mods))  # "all" covers every set
 
 
+class StepInputError(ValueError):
+    """Some items' host inputs cannot be built (found before dispatch, so the pool is untouched): ``rows`` are the
+    items (indices into the step's list) that fail even on their own; the rest of the batch can run without them."""
+
+    def __init__(self, rows: list[int], cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.rows = rows
+
+
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     for b in buckets:
         if b >= n:
@@ -153,17 +162,36 @@ class StepRunner:
             raise ValueError(f"unknown LoRA variant {lora!r} (one of {tuple(LORA_VARIANTS)})")
         return self._decode.get(lora, self._decode["all"])  # variants off: "all" serves every batch
 
+    @staticmethod
+    def _host_inputs(build: Callable, items: list[StepItem]) -> tuple[np.ndarray, Layout]:
+        """The packed inputs of ``items``; if they cannot be built, :class:`StepInputError` names the items that
+        fail on their own (one bad request must not sink the others). Costs nothing extra unless building fails."""
+        try:
+            return pack_inputs(*build(items))
+        except Exception as e:
+            bad = []
+            for i, item in enumerate(items):
+                try:
+                    pack_inputs(*build([item]))
+                except Exception:  # noqa: BLE001 - this item is the culprit, whatever the error
+                    bad.append(i)
+            if not bad:  # no single item is to blame: a real step failure
+                raise
+            raise StepInputError(bad, e) from e
+
     def prefill(self, params, pool, table, items: list[StepItem]) -> tuple[jax.Array, jax.Array]:
-        """Dispatch a prefill step; returns (next token ids [out_rows], pool) without waiting."""
-        packed, layout = pack_inputs(*self.build_prefill(items))
+        """Dispatch a prefill step; returns (next token ids [out_rows], pool) without waiting. Raises
+        :class:`StepInputError` (before dispatch) for items whose inputs cannot be built."""
+        packed, layout = self._host_inputs(self.build_prefill, items)
         return self._prefill(layout, params, pool, table, packed, self._no_prev)
 
     def decode(self, params, pool, table, items: list[StepItem], prev_tokens: jax.Array | None = None,
                lora: str = "all") -> tuple[jax.Array, jax.Array]:
         """Dispatch a decode step; input tokens of rows with ``token_src >= 0`` come from ``prev_tokens`` (the last
         step's output, still on the device), so this step can be queued before that one's tokens are read.
-        ``lora`` names the :data:`LORA_VARIANTS` entry to run (it must cover every adapter in ``items``)."""
-        packed, layout = pack_inputs(*self.build_decode(items))
+        ``lora`` names the :data:`LORA_VARIANTS` entry to run (it must cover every adapter in ``items``). Raises
+        :class:`StepInputError` (before dispatch) for items whose inputs cannot be built."""
+        packed, layout = self._host_inputs(self.build_decode, items)
         return self.step_fn("decode", lora)(layout, params, pool, table, packed,
                                             self._no_prev if prev_tokens is None else prev_tokens)
 

@@ -27,9 +27,11 @@ from .engine_thread import EngineThread
 from .errors import error_response, install_error_handlers
 from .gate import RequestGate, api_route_paths
 from .generation import GenerationRunner
+from .limits import BodyLimits
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, LoadLoraRequest, UnloadLoraRequest
 from .request_builder import RequestBuilder
+from .shutdown import Drain
 
 log = logging.getLogger("slora_jax.serve")
 
@@ -44,6 +46,7 @@ class ServeContext:
     requests: RequestBuilder
     generations: GenerationRunner
     adapters: AdapterAdmin
+    drain: Drain
     max_model_len: int
     last_stats: dict = dataclasses.field(default_factory=dict)  # served by /metrics when the engine cannot answer
 
@@ -64,13 +67,13 @@ routes = APIRouter()
 @routes.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request, ctx: Ctx):
     arrival = time.monotonic()
-    return await ctx.generations.respond(ctx.requests.completion(req), arrival, request)
+    return await ctx.generations.respond(await ctx.requests.completion(req), arrival, request)
 
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request, ctx: Ctx):
     arrival = time.monotonic()
-    return await ctx.generations.respond(ctx.requests.chat(req), arrival, request)
+    return await ctx.generations.respond(await ctx.requests.chat(req), arrival, request)
 
 
 # ---------------------------------------------------------------- models and adapters
@@ -129,23 +132,31 @@ async def prometheus_metrics(ctx: Ctx):
 
 def create_app(engine_thread: EngineThread, config: ServerConfig, tokenizer=None) -> FastAPI:
     """The app for an engine already running in ``engine_thread``; ``tokenizer`` defaults to a copy of the engine's
-    (a fast tokenizer must not be shared with the engine thread, which decodes concurrently)."""
+    (a fast tokenizer must not be shared with the engine thread, which decodes concurrently). With an API key the
+    interactive docs (/docs, /redoc, /openapi.json) are off: they would describe the API to anyone."""
     engine = engine_thread.engine
     if tokenizer is None and engine.tokenizer is not None:
         tokenizer = copy.deepcopy(engine.tokenizer)
     metrics = ServerMetrics()
     base_name = config.served_model_name
+    max_model_len = engine.ecfg.max_model_len
     ctx = ServeContext(
         config=config, engine_thread=engine_thread, metrics=metrics,
-        requests=RequestBuilder(engine, base_name, tokenizer),
+        requests=RequestBuilder(engine, base_name, tokenizer, config.prompt_chars_limit(max_model_len),
+                                config.tokenizer_threads),
         generations=GenerationRunner(engine_thread, metrics, tokenizer),
         adapters=AdapterAdmin(engine, base_name, config.allowed_adapter_dirs),
-        max_model_len=engine.ecfg.max_model_len)
+        drain=Drain(engine_thread),
+        max_model_len=max_model_len)
 
-    app = FastAPI(title="slora-jax", description="OpenAI-compatible server for many LoRA adapters on one base model")
+    docs = {} if config.api_key is None else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="slora-jax", description="OpenAI-compatible server for many LoRA adapters on one base model",
+                  **docs)
     app.state.ctx = ctx
     app.state.tokenizer = tokenizer  # the server's own copy (tests compare against it)
     install_error_handlers(app)
     app.include_router(routes)
-    app.add_middleware(RequestGate, api_key=config.api_key, metrics=metrics, endpoints=api_route_paths(routes))
+    app.add_middleware(BodyLimits, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    app.add_middleware(RequestGate, api_key=config.api_key, metrics=metrics, endpoints=api_route_paths(routes),
+                       drain=ctx.drain)  # added last: outermost, so auth and the drain come before the body is read
     return app

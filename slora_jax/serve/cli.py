@@ -16,6 +16,7 @@ from pathlib import Path
 from pallas_kernels.backends import backend_names
 
 from ..engine.scheduler import POLICIES
+from .config import PROMPT_CHARS_PER_TOKEN, ServerConfig, check_api_key
 
 log = logging.getLogger("slora_jax.serve")
 
@@ -61,7 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("SLORA_JAX_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $SLORA_JAX_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $SLORA_JAX_API_KEY; an empty key is "
+                   "refused); also turns off /docs, /redoc and /openapi.json")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body (413 beyond)")
+    s.add_argument("--max-prompt-chars", type=int, default=None,
+                   help=f"longest text prompt or chat, in characters (default: {PROMPT_CHARS_PER_TOKEN} per token of "
+                   "--max-model-len)")
+    s.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="time a client has to send a request's headers (then 408 and the connection is closed)")
+    s.add_argument("--body-timeout-s", type=float, default=30.0,
+                   help="time a client has to send a request's body after its headers (then 408)")
+    s.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM, how long running requests may take to finish before they end with an error")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -139,7 +151,6 @@ def build_server(args: argparse.Namespace):
     from ..engine.engine import Engine
     from ..model.config import ModelConfig
     from ..tools.tokenizer import load_tokenizer
-    from .config import ServerConfig
     from .demo import DEMO_MODEL_NAME, ensure_demo
     from .server import Server
 
@@ -189,13 +200,21 @@ def build_server(args: argparse.Namespace):
         log.info("warming up: compiling every step bucket once, so serving never compiles")
         engine.warmup(progress=True)
     config = ServerConfig(served_model_name=name, api_key=args.api_key,
-                          allowed_adapter_dirs=tuple(adapter_dirs) + tuple(args.allowed_adapter_dir))
+                          allowed_adapter_dirs=tuple(adapter_dirs) + tuple(args.allowed_adapter_dir),
+                          max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                          header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                          shutdown_grace_s=args.shutdown_grace_s)
     return Server(engine, config, host=args.host, port=args.port, log_level=args.log_level,
                   tokenizer=load_tokenizer(model_dir))  # its own copy: the engine thread decodes concurrently
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # before the model loads: an empty key must not cost a minute of start-up to be refused
+        check_api_key(args.api_key)
+    except ValueError as e:
+        parser.error(f"--api-key: {e}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server = build_server(args)
@@ -204,5 +223,5 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the signal after its graceful shutdown
+    except KeyboardInterrupt:  # a third Ctrl-C exits without draining; uvicorn re-raises it at the end
         pass

@@ -1,9 +1,27 @@
-"""The HTTP server's own settings (the engine's are ``EngineConfig``)."""
+"""The HTTP server's own settings (the engine's are ``EngineConfig``), with the limits that keep one client's
+request from hurting the others: body size, prompt size, how long sending a request may take, and the shutdown
+grace period."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+
+# A prompt of more characters than this many per context token could never fit: tokens of Llama-family vocabularies
+# rarely exceed 16 characters. The limit bounds tokenization work (which grows with the text) before it starts.
+PROMPT_CHARS_PER_TOKEN = 32
+
+
+def check_api_key(key: str | None) -> None:
+    """Refuse a key that would silently disable authentication (empty) or could never match (HTTP strips the
+    whitespace around header values)."""
+    if key is None:
+        return
+    if not key.strip():
+        raise ValueError("the API key is empty: give a real key, or leave --api-key (and $SLORA_JAX_API_KEY) unset "
+                         "to serve without authentication")
+    if key != key.strip():
+        raise ValueError("the API key starts or ends with whitespace, which no client can send")
 
 
 @dataclasses.dataclass
@@ -13,3 +31,22 @@ class ServerConfig:
     allowed_adapter_dirs: tuple[Path, ...] = ()  # runtime loads only from below these (resolved) directories
     metrics_timeout_s: float = 5.0
     admin_timeout_s: float = 60.0
+    max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
+    max_prompt_chars: int | None = None  # None: PROMPT_CHARS_PER_TOKEN per token of the context
+    header_timeout_s: float = 10.0  # from a request's first byte (or the connection's start) to its last header
+    body_timeout_s: float = 30.0  # from the last header to the last byte of the body (408 after)
+    shutdown_grace_s: float = 30.0  # on SIGTERM, how long running requests may take to finish
+    tokenizer_threads: int = 4  # tokenization and chat templating run here, never on the event loop
+
+    def __post_init__(self) -> None:
+        check_api_key(self.api_key)
+        for name in ("max_body_bytes", "header_timeout_s", "body_timeout_s", "tokenizer_threads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars <= 0:
+            raise ValueError(f"max_prompt_chars must be positive, got {self.max_prompt_chars!r}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s!r}")
+
+    def prompt_chars_limit(self, max_model_len: int) -> int:
+        return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len

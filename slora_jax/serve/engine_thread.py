@@ -111,6 +111,7 @@ class EngineThread:
         self.consecutive_failures = 0
         self.last_error: str | None = None
         self.fatal: str | None = None
+        self.closing: str | None = None  # set by end_all: why new requests are refused
         self._idle_steps = 0
 
     # ---------------------------------------------------------------- lifecycle
@@ -134,6 +135,14 @@ class EngineThread:
         """Alive and not failing step after step."""
         return self.alive and self.consecutive_failures < 3
 
+    def end_all(self, reason: str) -> None:
+        """Refuse new requests from now on and end every open one (waiting or running) with ``reason``: each gets
+        an "abort" output carrying it, so clients see an error rather than a cut (any thread; does not wait)."""
+        with self._cv:
+            self.closing = reason
+            self._calls.append(_Call(lambda: self._end_open(reason), None))
+            self._cv.notify()
+
     @contextlib.contextmanager
     def hold(self):
         """Queue requests but take no step while inside (maintenance; tests use it to fill the waiting queue)."""
@@ -154,8 +163,8 @@ class EngineThread:
         Raises what ``Engine.add_request`` raises (ValueError, KeyError, QueueFull) or :class:`EngineUnavailable`.
         ``watch_stop_strings=False``: the caller detokenizes the outputs and aborts on a stop string itself.
         """
-        if not self.alive:
-            raise EngineUnavailable(self.fatal or "the engine is not running")
+        if not self.alive or self.closing:
+            raise EngineUnavailable(self.closing or self.fatal or "the engine is not running")
         loop = asyncio.get_running_loop()
         sub = _Submission(request_id, list(prompt_ids), adapter, sampling, watch_stop_strings,
                           RequestStream(request_id, loop), loop.create_future())
@@ -217,8 +226,8 @@ class EngineThread:
             return False
 
     def _add(self, sub: _Submission) -> None:
-        if self.fatal is not None:
-            _resolve(sub.accepted, error=EngineUnavailable(self.fatal))
+        if self.fatal is not None or self.closing is not None:
+            _resolve(sub.accepted, error=EngineUnavailable(self.closing or self.fatal))
             return
         try:
             self.engine.add_request(sub.prompt_ids, sub.adapter, sub.sampling, request_id=sub.request_id,
@@ -308,6 +317,12 @@ class EngineThread:
     def _fail_all(self, reason: str) -> None:
         for rid in list(self._streams):
             self._deliver(RequestOutput(rid, [], True, "error", error=reason))
+            with contextlib.suppress(Exception):
+                self.engine.abort(rid)
+
+    def _end_open(self, reason: str) -> None:
+        for rid in list(self._streams):
+            self._deliver(RequestOutput(rid, [], True, "abort", error=reason))
             with contextlib.suppress(Exception):
                 self.engine.abort(rid)
 

@@ -1,8 +1,12 @@
-"""ASGI middleware in front of every route: the API-key check on /v1 and request counting by endpoint and status.
+"""ASGI middleware in front of every route: the API-key check on /v1, refusal while shutting down, the count of
+requests in flight (the drain waits for it) and request counting by endpoint and status.
 
 It wraps the whole app (streams included, so a stream's status is counted once its response starts). The endpoint
 label is the route's path for the app's own API routes and "other" for anything else (404s, docs), so label
 cardinality stays bounded and a new route is counted without touching this file.
+
+The API key travels as ``Authorization: Bearer <key>`` (RFC 6750): the scheme is matched case-insensitively and
+may be followed by one or more spaces (``1*SP``), as the RFCs allow; the key itself must match byte for byte.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from fastapi.routing import APIRoute
 
 from .errors import error_response
 from .metrics import ServerMetrics
+from .shutdown import SHUTTING_DOWN, Drain
+
+ALWAYS_OPEN = frozenset({"/metrics"})  # answered even while draining (scrapes see the drain happen)
 
 
 def api_route_paths(router: APIRouter) -> frozenset[str]:
@@ -22,16 +29,24 @@ def api_route_paths(router: APIRouter) -> frozenset[str]:
     return frozenset(route.path for route in router.routes if isinstance(route, APIRoute))
 
 
+def bearer_token(authorization: bytes) -> bytes | None:
+    """The credentials of a Bearer ``Authorization`` header value, else None."""
+    scheme, sep, token = authorization.partition(b" ")
+    if not sep or scheme.lower() != b"bearer":
+        return None
+    return token.lstrip(b" ")
+
+
 class RequestGate:
-    def __init__(self, app, api_key: str | None, metrics: ServerMetrics, endpoints: frozenset[str]):
-        self.app, self.api_key, self.metrics, self.endpoints = app, api_key, metrics, endpoints
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics, endpoints: frozenset[str], drain: Drain):
+        self.app, self.metrics, self.endpoints, self.drain = app, metrics, endpoints, drain
+        self.api_key = api_key.encode() if api_key else None
 
     def _authorised(self, scope) -> str | None:
         """None if the request may pass, else why not."""
-        headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        token = bearer_token(auth)
+        if token is not None and hmac.compare_digest(token, self.api_key):
             return None
         return "missing API key (send 'Authorization: Bearer <key>')" if not auth else "invalid API key"
 
@@ -41,6 +56,12 @@ class RequestGate:
             return
         path = scope.get("path", "")
         endpoint = path if path in self.endpoints else "other"
+        if self.drain.draining and path not in ALWAYS_OPEN:
+            self.metrics.requests.labels(endpoint, "503").inc()
+            response = error_response(503, f"{SHUTTING_DOWN}; retry on another instance")
+            response.headers["connection"] = "close"
+            await response(scope, receive, send)
+            return
         if self.api_key and path.startswith("/v1"):
             refusal = self._authorised(scope)
             if refusal is not None:
@@ -55,6 +76,7 @@ class RequestGate:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_and_record)
+            with self.drain.track():
+                await self.app(scope, receive, send_and_record)
         finally:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()

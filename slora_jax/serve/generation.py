@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.detok import IncrementalDetokenizer
-from ..engine.engine import QueueFull, RequestRejected
+from ..engine.engine import INVALID_REQUEST, QueueFull, RequestRejected
 from ..engine.sequence import RequestOutput
 from ..lora.peft import AdapterError
 from .engine_thread import EngineThread, EngineUnavailable, RequestStream
@@ -97,8 +97,8 @@ class Generation:
     def _failure(self) -> APIError:
         if self.finish_reason == "error":
             message = self.error or "generation failed"
-            return APIError(400 if message.startswith("adapter ") else 500, message)
-        return APIError(503, f"the request was aborted ({self.finish_reason})")
+            return APIError(400 if message.startswith(("adapter ", INVALID_REQUEST)) else 500, message)
+        return APIError(503, self.error or f"the request was aborted ({self.finish_reason})")  # e.g. shutting down
 
     def _ok(self) -> bool:
         return self.finish_reason in ("stop", "length")

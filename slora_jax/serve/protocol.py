@@ -20,7 +20,8 @@ class APIError(Exception):
     """An error answered as ``{"error": {"message", "type", "code"}}`` with HTTP status ``status``."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+             404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 409: "conflict_error",
+             413: "invalid_request_error",
              429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None):
@@ -31,9 +32,28 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.param)
 
 
+MAX_ERROR_CHARS = 2000  # error messages may quote the client's input: never echo a megabyte back
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """The error JSON; the message is cut to :data:`MAX_ERROR_CHARS` and made encodable (a lone surrogate quoted
+    from the request would make the response itself fail)."""
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[:MAX_ERROR_CHARS] + "..."
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": APIError.TYPES.get(status, "server_error"), "param": param,
                       "code": status}}
+
+
+def check_text(text: str, field: str) -> str:
+    """``text`` if it is valid Unicode. JSON allows a lone UTF-16 surrogate (``"\\ud800"``) and pydantic lets one
+    through a union-typed field (``prompt``, ``stop``, message content); a tokenizer given one fails."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{field} holds a lone UTF-16 surrogate at character {e.start}, which is not valid "
+                       "Unicode text", field) from None
+    return text
 
 
 class StreamOptions(BaseModel):
@@ -45,7 +65,7 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str = Field(max_length=1024)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -164,7 +184,7 @@ class LoadLoraRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     lora_name: str = Field(min_length=1, max_length=256)
-    lora_path: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1, max_length=4096)
 
 
 class UnloadLoraRequest(BaseModel):

@@ -1,17 +1,26 @@
 """From a validated request body to what the engine needs: adapter, prompt token ids, sampling parameters.
 
-Whether the request fits the context and the pool is the engine's question (``add_request`` refuses with the field to
-blame); this only turns the client's words into ids and settings, refusing what cannot be turned (unknown model, no
-tokenizer, a chat template that raises, sampling values out of range).
+Whether the request fits the pool is the engine's question (``add_request`` refuses with the field to blame); this
+turns the client's words into ids and settings, refusing what cannot be turned (unknown model, no tokenizer, a chat
+template that raises, text that is not valid Unicode, sampling values out of range) and what is too large to be
+worth tokenizing (more characters than ``max_prompt_chars``) or to queue (more tokens than the context).
+
+Tokenizing and templating grow with the text, so they run in a small thread pool (:class:`TokenizerThreads`), never
+on the event loop: a megabyte prompt must not stall every other client's stream.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import copy
 import dataclasses
+import threading
 from typing import Literal
 
 from ..engine.sampling import SamplingParams
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from ..engine.engine import RequestRejected
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, check_text
 
 # Used when the tokenizer has no chat template of its own: role-tagged turns, generation after "assistant:".
 FALLBACK_CHAT_TEMPLATE = (
@@ -19,6 +28,7 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's; chat defaults to None: as many as fit (the engine resolves it)
+MESSAGE_OVERHEAD_CHARS = 16  # what one chat message adds to the prompt besides its text (role, separators)
 
 Kind = Literal["completion", "chat"]
 
@@ -37,11 +47,47 @@ class PreparedRequest:
     include_usage: bool
 
 
-class RequestBuilder:
-    """Builds :class:`PreparedRequest` s for one engine; ``tokenizer`` must be the server's own (event-loop) copy."""
+class TokenizerThreads:
+    """A few worker threads, each with its own copy of the tokenizer (a fast tokenizer is not safe to share between
+    threads, and the event loop's copy decodes streams meanwhile). Encoding releases the GIL, so the loop keeps
+    serving while a long prompt is tokenized."""
 
-    def __init__(self, engine, base_name: str, tokenizer):
-        self.engine, self.base_name, self.tokenizer = engine, base_name, tokenizer
+    def __init__(self, tokenizer, workers: int):
+        self.prototype = tokenizer
+        self._local = threading.local()
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="slora-tokenize")
+
+    def tokenizer(self):
+        """This worker thread's copy (made on first use)."""
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            tok = self._local.tokenizer = copy.deepcopy(self.prototype)
+        return tok
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestBuilder:
+    """Builds :class:`PreparedRequest` s for one engine. ``completion`` and ``chat`` are coroutines that do their
+    work in the tokenizer threads; ``tokenizer`` (None: token-id prompts only) is copied once per thread."""
+
+    def __init__(self, engine, base_name: str, tokenizer, max_prompt_chars: int, threads: int = 4):
+        self.engine, self.base_name, self.max_prompt_chars = engine, base_name, max_prompt_chars
+        self.has_tokenizer = tokenizer is not None
+        self.threads = TokenizerThreads(tokenizer, threads)
+
+    async def completion(self, req: CompletionRequest) -> PreparedRequest:
+        return await self.threads.run(self.build_completion, req)
+
+    async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+        return await self.threads.run(self.build_chat, req)
+
+    def close(self) -> None:
+        self.threads.close()
 
     def adapter_for(self, model: str) -> str | None:
         """The adapter a request's ``model`` names (None for the base model); 404 for a name we do not serve."""
@@ -52,37 +98,64 @@ class RequestBuilder:
                            f"nor a loaded adapter)", "model")
         return model
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self.tokenizer is None:
-            raise APIError(400, "this server has no tokenizer: send the prompt as a list of token ids", "prompt")
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    def check_chars(self, n_chars: int, field: str) -> None:
+        if n_chars > self.max_prompt_chars:
+            raise APIError(400, f"the prompt has {n_chars} characters; this server accepts at most "
+                           f"{self.max_prompt_chars} (--max-prompt-chars)", field)
 
-    def completion(self, req: CompletionRequest) -> PreparedRequest:
+    def check_tokens(self, n_tokens: int) -> None:
+        """Refuse a prompt the context cannot hold here, before it is queued for the engine thread."""
+        try:
+            self.engine.check_prompt_length(n_tokens)
+        except RequestRejected as e:
+            raise APIError(400, str(e), e.param) from None
+
+    def encode(self, text: str, add_special_tokens: bool, field: str = "prompt") -> list[int]:
+        """Tokenize in a worker thread (its own tokenizer copy)."""
+        if not self.has_tokenizer:
+            raise APIError(400, "this server has no tokenizer: send the prompt as a list of token ids", "prompt")
+        self.check_chars(len(text), field)
+        check_text(text, field)
+        return list(self.threads.tokenizer().encode(text, add_special_tokens=add_special_tokens))
+
+    def build_completion(self, req: CompletionRequest) -> PreparedRequest:
         req.check_supported()
         adapter = self.adapter_for(req.model)
         prompt = req.single_prompt()
         prompt_ids = self.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
-        return self._prepared("completion", req, adapter, prompt_ids, COMPLETION_DEFAULT_MAX_TOKENS)
+        prepared = self._prepared("completion", req, adapter, prompt_ids, COMPLETION_DEFAULT_MAX_TOKENS)
+        self.check_tokens(len(prompt_ids))
+        return prepared
 
-    def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+    def build_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         req.check_supported()
         adapter = self.adapter_for(req.model)
-        if self.tokenizer is None:
+        if not self.has_tokenizer:
             raise APIError(400, "this server has no tokenizer, so chat is unavailable; use /v1/completions with "
                            "token ids")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        template = getattr(self.tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
+        self.check_chars(sum(len(m["role"]) + len(m["content"]) + MESSAGE_OVERHEAD_CHARS for m in messages),
+                         "messages")
+        for m in messages:
+            check_text(m["content"], "messages")
+        tok = self.threads.tokenizer()
+        template = getattr(tok, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
         try:
-            text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                      add_generation_prompt=req.add_generation_prompt)
+            text = tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                           add_generation_prompt=req.add_generation_prompt)
         except Exception as e:  # a template may raise on roles it does not know
             raise APIError(400, f"cannot apply the chat template: {e}", "messages") from None
-        prompt_ids = self.encode(text, add_special_tokens=False)  # the template already wrote the special tokens
-        return self._prepared("chat", req, adapter, prompt_ids, None)
+        # the template already wrote the special tokens
+        prompt_ids = self.encode(text, add_special_tokens=False, field="messages")
+        prepared = self._prepared("chat", req, adapter, prompt_ids, None)
+        self.check_tokens(len(prompt_ids))
+        return prepared
 
     @staticmethod
     def _prepared(kind: Kind, req, adapter: str | None, prompt_ids: list[int],
                   default_max_tokens: int | None) -> PreparedRequest:
+        for s in [req.stop] if isinstance(req.stop, str) else req.stop or []:
+            check_text(s, "stop")
         try:
             sampling = req.sampling_params(default_max_tokens)
         except ValueError as e:
