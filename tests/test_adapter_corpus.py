@@ -15,26 +15,23 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import struct
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
-from server_fixtures import BASE_NAME
+from server_fixtures import BASE_NAME, start_server
 
 from slora_jax.lora import weights_file
-from slora_jax.lora.peft import (
-    AdapterError,
-    AdapterNotAllowed,
-    check_peft_dir,
-    load_peft_adapter,
-    pattern_value,
-    peft_ranks,
-)
+from slora_jax.lora.peft import AdapterError, AdapterNotAllowed, check_peft_dir, load_peft_adapter, pattern_value
+from slora_jax.lora.peft_config import peft_ranks
 from slora_jax.lora.sources import PeftDirSource
 from slora_jax.model.config import MODULES, ModelConfig, module_key
 from slora_jax.serve.adapters import AdapterAdmin
@@ -559,3 +556,98 @@ def test_name_rules(admin, name, fragment):
     with pytest.raises(APIError, match=fragment) as info:
         admin.check_name(name)
     assert info.value.status == 400
+
+
+# ---------------------------------------------------------------- over HTTP: 4xx with the reason, never 500
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "uploads").mkdir()
+    (root / "outside").mkdir()
+    server = start_server(root, n_adapters=1, allowed_dirs=(root / "uploads",), ranks=(4,), max_lora_rank=16)
+    server.root = root
+    server.cfg = ModelConfig.from_model_dir(server.model_dir)
+    write_good(root / "outside" / "evil", server.cfg)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def http(srv):
+    with httpx.Client(base_url=srv.url, timeout=120) as client:
+        yield client
+
+
+def _load(http: httpx.Client, name: str, path: str) -> httpx.Response:
+    return http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+
+def _refused(r: httpx.Response, status: int, fragment: str) -> str:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and re.search(fragment, error["message"], re.IGNORECASE), error["message"]
+    return error["message"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_http_load_of_every_bad_adapter_is_4xx_with_its_reason(case, srv, http):
+    case.make(srv.root / "uploads" / case.id, srv.cfg, srv.root / "outside")
+    message = _refused(_load(http, case.id, case.id), case.status, re.escape(case.fragment))
+    assert case.id in message
+
+
+@pytest.mark.parametrize("case_id, raw, status, fragment", PATH_CASES, ids=[c[0] for c in PATH_CASES])
+def test_http_path_rules(case_id, raw, status, fragment, srv, http):
+    uploads, outside = srv.root / "uploads", srv.root / "outside"
+    raw = raw(uploads, outside) if callable(raw) else raw
+    _refused(_load(http, f"path-{case_id}", raw), status, "4096" if len(raw) > 4096 else re.escape(fragment))
+
+
+@pytest.mark.parametrize("name, fragment", NAME_CASES, ids=["5000-chars", "tab", "nul", "padded", "empty", "base"])
+def test_http_name_rules(name, fragment, srv, http):
+    write_good(srv.root / "uploads" / "named", srv.cfg)
+    _refused(_load(http, name, "named"), 400, fragment)
+
+
+def test_a_catastrophic_regex_neither_freezes_the_server_nor_fails_slowly(srv, http):
+    uploads = srv.root / "uploads"
+    write_good(uploads / "regex-bomb", srv.cfg, rank_pattern={CATASTROPHIC: 2}, alpha_pattern={CATASTROPHIC: 1.0},
+               extra_config={"exclude_modules": CATASTROPHIC})
+    config(target_modules=CATASTROPHIC)(uploads / "regex-bomb-targets", srv.cfg, None)
+    polls, stop = [], threading.Event()
+
+    def poll_health():
+        with httpx.Client(base_url=srv.url, timeout=5) as client:
+            while not stop.is_set():
+                start = time.monotonic()
+                status = client.get("/health").status_code
+                polls.append((time.monotonic() - start, status))
+                time.sleep(0.02)
+
+    poller = threading.Thread(target=poll_health, daemon=True)
+    poller.start()
+    try:
+        time.sleep(0.3)
+        start = time.monotonic()
+        loaded, refused = _load(http, "regex-bomb", "regex-bomb"), _load(http, "regex-bomb-2", "regex-bomb-targets")
+        elapsed = time.monotonic() - start
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        poller.join(10)
+    assert loaded.status_code == 200, loaded.text
+    _refused(refused, 400, "matches no supported projection")
+    assert elapsed < 10
+    assert len(polls) >= 10 and all(status == 200 and seconds < 1.0 for seconds, status in polls), polls
+    r = http.post("/v1/completions", json={"model": "regex-bomb", "prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+
+
+def test_after_every_refusal_the_server_serves_and_lists_none_of_them(srv, http):
+    models = {m["id"] for m in http.get("/v1/models").json()["data"]}
+    assert not models & ({c.id for c in CASES} | {f"path-{c[0]}" for c in PATH_CASES})
+    for model in (BASE_NAME, srv.adapters[0]):
+        r = http.post("/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 200, r.text

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -158,3 +159,31 @@ def test_rejects_a_rank_that_is_not_a_positive_int_at_register_and_at_load(good,
     _rejects(good, tiny_cfg, "ranks must be ints >= 1|invalid adapter_config.json")
     with pytest.raises(AdapterError, match="ranks must be ints >= 1|invalid adapter_config.json"):
         PeftDirSource(good).rank_table("bad-one", tiny_cfg, 16)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_half_and_double_precision_weights_load_as_their_float32_values(good, tiny_cfg, dtype):
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    reference = load_peft_adapter(good, tiny_cfg)
+    _edit_tensors(good, lambda t: t.update({k: v.astype(np_dtype) for k, v in t.items()}))
+    adapter = load_peft_adapter(good, tiny_cfg)
+    for key, module in reference.modules.items():
+        expected = module.a.astype(np_dtype).astype(np.float32)
+        np.testing.assert_array_equal(adapter.modules[key].a, expected)
+        assert adapter.modules[key].a.dtype == np.float32 and adapter.modules[key].scale == module.scale
+
+
+def test_a_config_edited_after_its_check_is_checked_again(good, tiny_cfg):
+    """Checked configs are remembered by content: the same bytes skip the pattern work, changed bytes do not."""
+    assert load_peft_adapter(good, tiny_cfg, max_rank=8).max_rank == 8
+    _edit_config(good, lora_alpha=float("nan"))
+    _rejects(good, tiny_cfg, "lora_alpha is nan")
+    _edit_config(good, lora_alpha=4.0, r=8)
+    assert math.isclose(load_peft_adapter(good, tiny_cfg).modules[(1, "q_proj")].scale, 0.5)
+    _rejects(good, tiny_cfg, "above the configured maximum 4", max_rank=4)
+
+
+def test_peft_ranks_refuses_what_is_not_a_config(tiny_cfg):
+    for cfg in ([], "LORA", None, {"target_modules": ["q_proj"], "r": [4]}):
+        with pytest.raises(AdapterError, match="bad-one"):
+            peft_ranks(cfg, "bad-one", tiny_cfg, max_rank=16)

@@ -10,17 +10,72 @@ always found them.
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
 from pathlib import Path
+
+import numpy as np
 
 from slora_jax.lora.errors import AdapterError, AdapterNotAllowed, rejecting
 from slora_jax.lora.patterns import pattern_value
-from slora_jax.lora.peft_config import peft_ranks, peft_scales, read_adapter_config
+from slora_jax.lora.peft_config import parse_config, peft_ranks, peft_scales, read_adapter_config, read_config_bytes
 from slora_jax.lora.weights_file import peft_weights_path, read_lora_weights
 from slora_jax.model.adapter_weights import LoraAdapter, LoraModule
-from slora_jax.model.config import ModelConfig
+from slora_jax.model.config import MODULE_INDEX, MODULES, ModelConfig
 
 __all__ = ["AdapterError", "AdapterNotAllowed", "check_peft_dir", "load_peft_adapter", "pattern_value", "peft_ranks",
            "peft_weights_path", "read_adapter_config"]
+
+
+class _RulesCache:
+    """The ranks and scales of configs already checked, by (sha256 of the file, layer count, max rank): what a config
+    says is a function of exactly these, so a load after its register-time check (perhaps inline on the engine
+    thread) does not match its patterns again. Compact tables, at most ``size`` configs, thread-safe."""
+
+    def __init__(self, size: int = 1024):
+        self.size, self._lock = size, threading.Lock()
+        self._tables: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+
+    def get(self, key: tuple) -> tuple[dict, dict] | None:
+        with self._lock:
+            tables = self._tables.get(key)
+            if tables is not None:
+                self._tables.move_to_end(key)
+        if tables is None:
+            return None
+        ranks, scales = tables
+        pairs = [(int(layer), MODULES[m]) for layer, m in zip(*np.nonzero(ranks), strict=True)]
+        return ({p: int(ranks[p[0], MODULE_INDEX[p[1]]]) for p in pairs},
+                {p: float(scales[p[0], MODULE_INDEX[p[1]]]) for p in pairs})
+
+    def put(self, key: tuple, ranks: dict, scales: dict) -> None:
+        rank_table, scale_table = np.zeros((key[1], len(MODULES)), np.int32), np.zeros((key[1], len(MODULES)))
+        for (layer, module), r in ranks.items():
+            rank_table[layer, MODULE_INDEX[module]] = r
+            scale_table[layer, MODULE_INDEX[module]] = scales[(layer, module)]
+        with self._lock:
+            self._tables[key] = (rank_table, scale_table)
+            while len(self._tables) > self.size:
+                self._tables.popitem(last=False)
+
+
+_checked_configs = _RulesCache()
+
+
+def _config_rules(path: Path, model: ModelConfig, name: str, max_rank: int | None,
+                  roots: tuple[Path, ...]) -> tuple[dict[tuple[int, str], int], dict[tuple[int, str], float]]:
+    """``(ranks, scales)`` of ``path``'s config, every rule checked (or found already checked in the cache)."""
+    raw = read_config_bytes(path, name, roots)
+    key = (hashlib.sha256(raw).digest(), model.num_hidden_layers, max_rank)
+    cached = _checked_configs.get(key)
+    if cached is not None:
+        return cached
+    cfg = parse_config(raw, name)
+    ranks = peft_ranks(cfg, name, model, max_rank)
+    scales = peft_scales(cfg, name, ranks)
+    _checked_configs.put(key, ranks, scales)
+    return ranks, scales
 
 
 def check_peft_dir(path: str | Path, model: ModelConfig, name: str, max_rank: int | None,
@@ -29,9 +84,7 @@ def check_peft_dir(path: str | Path, model: ModelConfig, name: str, max_rank: in
     without reading it. ``{(layer, module): rank}``."""
 
     def check() -> dict[tuple[int, str], int]:
-        cfg = read_adapter_config(Path(path), name, roots)
-        ranks = peft_ranks(cfg, name, model, max_rank)
-        peft_scales(cfg, name, ranks)
+        ranks, _ = _config_rules(Path(path), model, name, max_rank, tuple(roots))
         peft_weights_path(Path(path), name)
         return ranks
 
@@ -39,9 +92,7 @@ def check_peft_dir(path: str | Path, model: ModelConfig, name: str, max_rank: in
 
 
 def _load(path: Path, model: ModelConfig, name: str, max_rank: int | None, roots: tuple[Path, ...]) -> LoraAdapter:
-    cfg = read_adapter_config(path, name, roots)
-    ranks = peft_ranks(cfg, name, model, max_rank)
-    scales = peft_scales(cfg, name, ranks)
+    ranks, scales = _config_rules(path, model, name, max_rank, roots)
     weights = read_lora_weights(path, name, model, ranks, roots)
     modules = {pair: LoraModule(a=a, b=b, scale=scales[pair]) for pair, (a, b) in weights.items()}
     return LoraAdapter(name=name, modules=modules)

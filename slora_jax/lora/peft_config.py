@@ -21,8 +21,8 @@ from slora_jax.lora.errors import AdapterError, rejecting
 from slora_jax.lora.patterns import PatternTable, compile_pattern, layer_index, layers_pattern_regex
 from slora_jax.model.config import MODULES, ModelConfig, module_key
 
-__all__ = ["CONFIG_NAME", "MAX_CONFIG_BYTES", "max_pattern_entries", "peft_ranks", "peft_scales",
-           "read_adapter_config"]
+__all__ = ["CONFIG_NAME", "MAX_CONFIG_BYTES", "max_pattern_entries", "parse_config", "peft_ranks", "peft_scales",
+           "read_adapter_config", "read_config_bytes"]
 
 CONFIG_NAME = "adapter_config.json"
 MAX_CONFIG_BYTES = 1 << 20
@@ -50,6 +50,11 @@ def max_pattern_entries(num_layers: int) -> int:
 def read_adapter_config(path: Path, name: str, roots: tuple[Path, ...] = ()) -> dict:
     """The JSON object in ``path/adapter_config.json`` (at most :data:`MAX_CONFIG_BYTES`, UTF-8). With ``roots``,
     the file must really be inside one of them (:class:`AdapterNotAllowed` otherwise)."""
+    return parse_config(read_config_bytes(path, name, roots), name)
+
+
+def read_config_bytes(path: Path, name: str, roots: tuple[Path, ...] = ()) -> bytes:
+    """The raw bytes of ``path/adapter_config.json``, within :data:`MAX_CONFIG_BYTES`."""
     path = Path(path)
     try:
         is_dir = path.is_dir()
@@ -58,7 +63,11 @@ def read_adapter_config(path: Path, name: str, roots: tuple[Path, ...] = ()) -> 
     if not is_dir:
         raise AdapterError(name, f"{path} is not a directory")
     with open_adapter_file(path / CONFIG_NAME, name, roots) as file:
-        raw = read_bounded(file, name, CONFIG_NAME, MAX_CONFIG_BYTES)
+        return read_bounded(file, name, CONFIG_NAME, MAX_CONFIG_BYTES)
+
+
+def parse_config(raw: bytes, name: str) -> dict:
+    """``raw`` as a UTF-8 JSON object, or :class:`AdapterError` with the reason."""
     try:
         cfg = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
