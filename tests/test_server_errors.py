@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import re
+import socket
 import time
 
 import httpx
@@ -304,6 +305,57 @@ def test_api_key(srv, http):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=srv.base_url, api_key="wrong", max_retries=0).models.list()
     assert_serving(http)
+
+
+@pytest.mark.parametrize("header, ok", [
+    (f"Bearer {KEY}", True),
+    (f"bearer {KEY}", True),  # RFC 7235: the scheme is case-insensitive
+    (f"BEARER {KEY}", True),
+    (f"Bearer  {KEY}", True),  # RFC 6750: "Bearer" 1*SP token
+    (f"Bearer {KEY} ", True),  # HTTP drops the whitespace around a header value before anyone sees it
+    (f"Bearer\t{KEY}", False),
+    (f"Bearer {KEY}x", False),
+    (f"Bearer {KEY[:-1]}", False),
+    (f"Bearer {KEY} {KEY}", False),
+    (f"Bearer{KEY}", False),
+    (KEY, False),
+    ("Bearer", False),
+    ("Bearer ", False),
+    (f"Token {KEY}", False),
+])
+def test_authorization_header_variants(srv, header, ok):
+    """The rule in docs/SERVING.md: scheme case-insensitive, one or more spaces, then exactly the key. Sent raw, as
+    clients (httpx included) refuse to send some of these."""
+    with socket.create_connection(("127.0.0.1", srv.server.port), timeout=30) as s:
+        s.sendall(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: {header}\r\nConnection: close\r\n\r\n"
+                  .encode())
+        response = b""
+        while chunk := s.recv(65536):
+            response += chunk
+    status = int(response.split(b" ", 2)[1])
+    assert status == (200 if ok else 401), response[:300]
+    if not ok:
+        assert b"API key" in response
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"])
+def test_docs_are_off_when_an_api_key_is_set(srv, path):
+    assert httpx.get(srv.url + path).status_code == 404
+    assert httpx.get(srv.url + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+
+
+@pytest.mark.parametrize("key", ["", " ", "\t", " padded", "padded "])
+def test_a_key_that_cannot_protect_anything_is_refused_at_start_up(key):
+    """An empty --api-key used to turn authentication off without a word; one with surrounding whitespace could
+    never match (HTTP strips it from header values)."""
+    from slora_jax.serve.cli import main
+    from slora_jax.serve.config import ServerConfig
+
+    with pytest.raises(ValueError, match="API key"):
+        ServerConfig(served_model_name="m", api_key=key)
+    with pytest.raises(SystemExit) as exited:  # before any model is loaded
+        main(["--api-key", key, "--model", "/nonexistent"])
+    assert exited.value.code == 2
 
 
 def test_queue_full_is_429(srv, http):

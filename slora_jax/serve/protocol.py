@@ -153,9 +153,11 @@ class ChatMessage(BaseModel):
             return self.content
         parts = []
         for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.get("type") != "text":
                 raise APIError(400, f"content part of type {part.get('type')!r} is not supported (text only)",
                                "messages")
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, "a text content part needs a string 'text'", "messages")
             parts.append(part["text"])
         return "".join(parts)
 

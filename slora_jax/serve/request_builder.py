@@ -18,8 +18,8 @@ import dataclasses
 import threading
 from typing import Literal
 
-from ..engine.sampling import SamplingParams
 from ..engine.engine import RequestRejected
+from ..engine.sampling import SamplingParams
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, check_text
 
 # Used when the tokenizer has no chat template of its own: role-tagged turns, generation after "assistant:".
