@@ -8,12 +8,12 @@ import pytest
 
 from slora_jax.engine.config import EngineConfig
 from slora_jax.engine.engine import Engine
+from slora_jax.engine.policies import FCFS, POLICIES, Policy, PolicyContext, make_policy, register_policy
 from slora_jax.engine.sampling import SamplingParams
-from slora_jax.engine.scheduler import FCFS, POLICIES, make_policy, register_policy
 
 
 @register_policy("test-shortest-prompt-first")
-class ShortestPromptFirst:
+class ShortestPromptFirst(Policy):
     """Reorders admission: shortest prompt first (ties by arrival)."""
 
     def order(self, waiting):
@@ -27,10 +27,11 @@ GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
 
 def test_registry_makes_known_policies_and_names_the_known_ones():
-    assert isinstance(make_policy("fcfs"), FCFS)
-    assert isinstance(make_policy("test-shortest-prompt-first"), ShortestPromptFirst)
+    ctx = PolicyContext(CFG)
+    assert isinstance(make_policy("fcfs", ctx), FCFS)
+    assert isinstance(make_policy("test-shortest-prompt-first", ctx), ShortestPromptFirst)
     with pytest.raises(ValueError, match="fcfs"):
-        make_policy("no-such-policy")
+        make_policy("no-such-policy", ctx)
     with pytest.raises(ValueError, match="already registered"):
         register_policy("fcfs")(FCFS)
     assert "fcfs" in POLICIES

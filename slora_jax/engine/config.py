@@ -51,7 +51,14 @@ class EngineConfig:
     # compiles); "auto": unroll on accelerators, scan on CPU.
     layer_loop: str = "auto"
     max_waiting: int = 4096  # queue bound: beyond it add_request raises QueueFull
-    scheduling_policy: str = "fcfs"  # admission order: a name registered with scheduler.register_policy
+    scheduling_policy: str = "fcfs"  # admission order: a name registered with policies.register_policy
+    first_token_slo_s: float | None = None  # default first-token deadline after arrival (a request may override)
+    early_abort: bool = False  # end requests that can no longer meet their first-token deadline (never serve late)
+    vtc_input_weight: float = 1.0  # "vtc": service counted per prompt token
+    vtc_output_weight: float = 2.0  # "vtc": service counted per generated token
+    adapter_lookahead: int = 16  # "adapter-aware": waiting requests searched for a resident adapter
+    adapter_max_bypass: int = 32  # "adapter-aware": younger admissions a request may be overtaken by
+    prefix_cache: bool = False  # share full KV pages of prompts with the same adapter and token prefix
     min_prefill_bucket: int | None = None  # None: the backend's default for the platform (with_platform_defaults)
     min_decode_bucket: int = 1  # smallest decode batch compiled (fewer buckets = shorter warm-up)
     decode_lora_variants: bool = True  # compile decode steps without MLP / without any LoRA kernels (3x buckets)

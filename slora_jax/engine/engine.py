@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -112,9 +113,14 @@ class Engine:
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], adapter: str | None = None, sampling: SamplingParams | None = None,
                     request_id: str | None = None, on_output: Callable[[RequestOutput], None] | None = None,
-                    watch_stop_strings: bool = True) -> str:
+                    watch_stop_strings: bool = True, tenant: str | None = None,
+                    first_token_slo_s: float | None = None) -> str:
         """Queue a request; raises ValueError (bad input; :class:`RequestRejected` names the field), KeyError
         (unknown adapter) or QueueFull. ``sampling.max_tokens=None`` means as many as fit.
+
+        ``tenant``: whose service it counts towards under a fairness policy (default: its adapter).
+        ``first_token_slo_s``: its first token is due this many seconds after now (default
+        ``EngineConfig.first_token_slo_s``); with ``early_abort`` it is ended, not served late.
 
         ``watch_stop_strings=False``: the caller detokenizes the output itself and aborts on a stop string (the
         server does, off the engine thread), so the engine keeps no detokenizer for this request.
@@ -134,8 +140,13 @@ class Engine:
             sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
         if len(self.scheduler.waiting) >= self.ecfg.max_waiting:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting; try again later")
+        if first_token_slo_s is not None and not (first_token_slo_s > 0 and math.isfinite(first_token_slo_s)):
+            raise RequestRejected(f"the first-token deadline must be a positive number of seconds, got "
+                                  f"{first_token_slo_s!r}", "first_token_slo_s")
+        now = time.monotonic()
         seq = Sequence(prompt_ids=[int(t) for t in prompt_ids], adapter=adapter, sampling=sampling,
-                       on_output=on_output, arrival_time=time.monotonic())
+                       on_output=on_output, arrival_time=now, tenant=tenant,
+                       deadline=None if first_token_slo_s is None else now + first_token_slo_s)
         if request_id is not None:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -173,9 +184,9 @@ class Engine:
         bookkeeping (tokens, stops, callbacks, the next batch) overlaps the device's work instead of idling it.
         """
         t0 = time.perf_counter()
-        outputs = [self._finish(seq, "error", error) for seq, error in self.scheduler.take_failed()]
+        outputs = [self._finish(seq, "error", error, kind) for seq, error, kind in self.scheduler.take_failed()]
         plan = self.scheduler.schedule()
-        outputs += [self._finish(seq, "error", error) for seq, error in self.scheduler.take_failed()]
+        outputs += [self._finish(seq, "error", error, kind) for seq, error, kind in self.scheduler.take_failed()]
         self.last_plan = plan
         previous = self._inflight
         t1 = time.perf_counter()
@@ -186,6 +197,8 @@ class Engine:
                 plan = None
             else:
                 self.num_steps += 1
+                if plan.kind == "prefill":
+                    self.scheduler.on_prefilled(plan.seqs)
         t2 = time.perf_counter()
         # dispatched (or nothing to run): the new step's tokens are now the ones on the device
         self._inflight = None
@@ -279,14 +292,18 @@ class Engine:
 
     def _item(self, seq: Sequence, kind: str) -> StepItem:
         if kind == "prefill":
-            return StepItem(tokens=seq.all_ids, start=0, pages=seq.kv_pages, adapter_slot=seq.adapter_slot,
-                            sampling=seq.sampling, seed=seq.seed, counter=seq.num_generated)
+            start = seq.num_cached  # > 0 when a cached prompt prefix is shared: only the rest is computed
+            return StepItem(tokens=seq.all_ids[start:], start=start, pages=seq.kv_pages,
+                            adapter_slot=seq.adapter_slot, sampling=seq.sampling, seed=seq.seed,
+                            counter=seq.num_generated)
         on_device = seq.inflight >= 0
         return StepItem(tokens=[0 if on_device else seq.all_ids[-1]], start=seq.num_tokens - 1, pages=seq.kv_pages,
                         adapter_slot=seq.adapter_slot, sampling=seq.sampling, seed=seq.seed,
                         counter=seq.num_generated, token_src=seq.inflight)
 
     def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        if not self.scheduler.on_token(seq, now):  # early abort: a first token past its deadline is not served
+            return self._finish(seq, "error", self.scheduler.deadline_message(seq, now), "deadline")
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.output_ids.append(token)
@@ -309,9 +326,10 @@ class Engine:
             seq.on_output(out)  # may raise: the token is already appended
         return out
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None,
+                error_kind: str | None = None) -> RequestOutput:
         self.scheduler.finish(seq, reason)
-        out = RequestOutput(seq.request_id, [], True, reason, error=error)
+        out = RequestOutput(seq.request_id, [], True, reason, error=error, error_kind=error_kind)
         if seq.on_output is not None:
             seq.on_output(out)
         return out
@@ -354,6 +372,8 @@ class Engine:
     def unregister_adapter(self, name: str) -> None:
         """Stop serving an adapter; KeyError if unknown, ``AdapterInUse`` while running requests use it."""
         self.store.unregister(name)
+        if self.scheduler.prefix_cache is not None:  # a new adapter of this name must not hit the old one's K/V
+            self.scheduler.prefix_cache.drop_adapter(name)
 
     # ---------------------------------------------------------------- conveniences
     def warmup(self, progress: bool = True) -> None:
@@ -411,9 +431,11 @@ class Engine:
             "running": len(self.scheduler.running),
             "steps": self.num_steps,
             "preemptions": self.scheduler.num_preemptions,
+            "deadline_aborts": self.scheduler.num_deadline_aborts,
             "compiles": compile_counter.compile_count(),
             "compiles_since_warmup": self.compiles_since_warmup(),
             "step_seconds": dict(self.time_in),
             "pool": self.pool.stats(kv_tokens_live=kv_live),
             "adapters": self.store.stats(),
+            "prefix_cache": self.scheduler.prefix_cache.stats() if self.scheduler.prefix_cache else {},
         }

@@ -121,6 +121,18 @@ class PageAllocator:
             self._owner[p] = None
             self._free.append(p)
 
+    def transfer(self, pages: Iterable[int], owner: Owner, new_owner: Owner) -> None:
+        """Hand pages from ``owner`` to ``new_owner`` (same kind: the books of kinds stay as they are), e.g. a
+        sequence's prompt pages to the prefix cache; validates every page first so a bad call changes nothing."""
+        if owner_kind(owner) != owner_kind(new_owner):
+            raise ValueError(f"cannot transfer pages between kinds ({owner!r} -> {new_owner!r})")
+        pages = [self._check_range(p) for p in pages]
+        for p in pages:
+            if self._owner[p] != owner:
+                raise ForeignPage(f"page {p} belongs to {self._owner[p]!r}, not {owner!r}")
+        for p in pages:
+            self._owner[p] = new_owner
+
     def check_invariants(self) -> None:
         """O(num_pages) self-check for tests and debugging: books balance, free list and owners agree."""
         free = set(self._free)

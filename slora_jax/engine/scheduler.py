@@ -10,53 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from collections.abc import Callable
 
 from ..lora.peft import AdapterError
 from .adapter_store import NoRoom
 from .config import EngineConfig
+from .page_allocator import KV
+from .policies import Policy, PolicyContext, make_policy
 from .pool import PagedPool
+from .prefix_cache import PrefixCache
 from .sequence import Sequence, Status
 
-
-class Policy(Protocol):
-    """The order in which admission tries waiting sequences. Admission stops at the first that does not fit, and
-    prefetch loads the adapters of the first ``max_prefill_seqs`` in this same order, so a policy decides both."""
-
-    def order(self, waiting: deque[Sequence]) -> Iterable[Sequence]:
-        """Waiting sequences in admission order; consumed lazily (admission and prefetch stop early)."""
-
-
-POLICIES: dict[str, Callable[[], Policy]] = {}
-
-
-def register_policy(name: str):
-    """Class decorator: make a policy selectable as ``EngineConfig(scheduling_policy=name)``."""
-
-    def add(cls):
-        if name in POLICIES:
-            raise ValueError(f"scheduling policy {name!r} is already registered")
-        POLICIES[name] = cls
-        return cls
-
-    return add
-
-
-def make_policy(name: str) -> Policy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown scheduling policy {name!r} (known: {', '.join(sorted(POLICIES))})") from None
-
-
-@register_policy("fcfs")
-class FCFS:
-    """First come, first served (preempted sequences go back to the front)."""
-
-    def order(self, waiting: deque[Sequence]) -> Iterator[Sequence]:
-        return iter(waiting)
+# first-token latencies (admission to first token) remembered for the early-abort bound
+TTFT_WINDOW = 64
 
 
 class RequestRejected(ValueError):
@@ -83,21 +51,59 @@ class Scheduler:
     """Owns admission: the fit rule (``check_request``, ``_admit``), the admission order (``policy``, ``head``) and
     preemption. Everyone who asks "does this fit" or "who is next" asks here."""
 
-    def __init__(self, ecfg: EngineConfig, pool: PagedPool, store, policy: Policy | None = None):
+    def __init__(self, ecfg: EngineConfig, pool: PagedPool, store, policy: Policy | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.ecfg, self.pool, self.store = ecfg, pool, store
-        self.policy = policy or make_policy(ecfg.scheduling_policy)
+        self.policy = policy or make_policy(ecfg.scheduling_policy, PolicyContext(ecfg, store.is_resident))
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._failed: list[tuple[Sequence, str]] = []
+        self._failed: list[tuple[Sequence, str, str]] = []
         self.num_preemptions = 0
+        self.num_deadline_aborts = 0
+        self.prefix_cache = PrefixCache(pool.allocator, ecfg.page_size) if ecfg.prefix_cache else None
+        self._ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
 
-    def take_failed(self) -> list[tuple[Sequence, str]]:
-        """Sequences whose adapter failed to load (with the reason), once each."""
+    def take_failed(self) -> list[tuple[Sequence, str, str]]:
+        """Sequences that cannot be served (reason, kind: "adapter" failed to load, "deadline" missed), once each."""
         failed, self._failed = self._failed, []
         return failed
 
     def add(self, seq: Sequence) -> None:
+        if seq.deadline is None and self.ecfg.first_token_slo_s is not None:
+            seq.deadline = seq.arrival_time + self.ecfg.first_token_slo_s
         self.waiting.append(seq)
+        self.policy.on_arrival(seq)
+
+    # ---------------------------------------------------------------- what the engine reports back
+    def on_token(self, seq: Sequence, now: float) -> bool:
+        """One generated token of ``seq`` at ``now``; False when it is a first token past the deadline that early
+        abort must not serve (the caller then ends the request with :meth:`deadline_message`)."""
+        self.policy.on_tokens(seq, 1)
+        if seq.first_token_time is not None:
+            return True
+        if seq.admit_time is not None:
+            self._ttfts.append(now - seq.admit_time)
+        return not (self.ecfg.early_abort and seq.deadline is not None and now > seq.deadline)
+
+    def min_time_to_first_token(self) -> float:
+        """A lower bound on admission-to-first-token seen lately (0 before any): a waiting request whose deadline is
+        nearer than this cannot make it even if admitted now."""
+        return min(self._ttfts, default=0.0)
+
+    def deadline_message(self, seq: Sequence, now: float) -> str:
+        late = now - seq.deadline
+        return (f"the request could not get its first token by its deadline ({late:.3f} s past it when it could be "
+                f"served; the server is overloaded): not served late, try again later")
+
+    def _expire(self) -> None:
+        """Early abort: take out waiting requests that can no longer meet their first-token deadline."""
+        now, bound = self.clock(), self.min_time_to_first_token()
+        late = [s for s in self.waiting if s.deadline is not None and now + bound > s.deadline]
+        for seq in late:
+            self.waiting.remove(seq)
+            self.num_deadline_aborts += 1
+            self._failed.append((seq, self.deadline_message(seq, now + bound), "deadline"))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -143,6 +149,8 @@ class Scheduler:
 
     # ---------------------------------------------------------------- planning
     def schedule(self) -> Plan | None:
+        if self.ecfg.early_abort:
+            self._expire()
         admitted = self._admit()
         if admitted:
             return Plan("prefill", admitted)
@@ -166,27 +174,34 @@ class Scheduler:
             if (len(batch) >= ecfg.max_prefill_seqs or len(self.running) + len(batch) >= ecfg.max_batch_size
                     or tokens + n > ecfg.max_prefill_tokens):
                 break
-            worst = self.worst_case_pages(seq)
+            shared = self.prefix_cache.match(seq.adapter, seq.prompt_ids) if self.prefix_cache else []
+            worst = self.worst_case_pages(seq) - len(shared)  # shared pages are counted once, by the cache
             adapter_pages = self.store.pages_needed_to_load(seq.adapter) if seq.adapter else 0
-            if worst + adapter_pages > self.pool.num_free_pages + self.store.evictable_pages():
+            if worst + adapter_pages > self.obtainable_pages():
+                self._unshare(shared)
                 break
             slot = self._acquire(seq)
             if slot is None:
+                self._unshare(shared)
                 if seq.error is not None:  # adapter failed to load: the engine ends this request
                     continue
                 break
-            need = pages_for(n, page)
-            if worst > self.pool.num_free_pages and not self.store.reclaim_pages(worst):
+            if not self.reclaim_pages(worst):
+                self._unshare(shared)
                 self._release(seq)
                 break
-            seq.kv_pages = self.pool.alloc_kv_pages(need, owner=seq.request_id)
+            seq.kv_pages = shared + self.pool.alloc_kv_pages(pages_for(n, page) - len(shared), owner=seq.request_id)
+            seq.shared_pages, seq.num_cached = len(shared), len(shared) * page  # prefill computes from there
             seq.adapter_slot = slot
             batch.append(seq)
             tokens += n
+        now = self.clock()
         for seq in batch:
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
+            seq.admit_time = now
             self.running.append(seq)
+        self.policy.on_admitted(batch, self.waiting)
         # rows of one adapter next to each other: SGMV segments
         batch.sort(key=lambda s: s.adapter_slot)
         return batch
@@ -198,7 +213,7 @@ class Scheduler:
             return self.store.acquire(seq.adapter)
         except AdapterError as e:
             seq.error = str(e)
-            self._failed.append((seq, str(e)))
+            self._failed.append((seq, str(e), "adapter"))
             return None
         except NoRoom:
             return None
@@ -221,7 +236,7 @@ class Scheduler:
             if position // page < len(seq.kv_pages):
                 i += 1
                 continue
-            if self.pool.num_free_pages >= 1 or self.store.reclaim_pages(1):
+            if self.reclaim_pages(1):
                 seq.kv_pages += self.pool.alloc_kv_pages(1, owner=seq.request_id)
                 i += 1
                 continue
@@ -231,12 +246,43 @@ class Scheduler:
             # if the victim was seq itself, i now points past the end
         return preempted
 
+    # ---------------------------------------------------------------- room
+    def obtainable_pages(self) -> int:
+        """Free pages plus what evicting unused cached prefixes and unpinned adapters would free."""
+        cached = self.prefix_cache.evictable_pages if self.prefix_cache else 0
+        return self.pool.num_free_pages + cached + self.store.evictable_pages()
+
+    def reclaim_pages(self, n_pages: int) -> bool:
+        """Make ``n_pages`` free: unused cached prefixes go first (a recompute of a prompt prefix), then unpinned
+        adapters (a reload from host memory). All or nothing: False, evicting nothing, if it cannot be done."""
+        if self.pool.num_free_pages >= n_pages:
+            return True
+        if self.obtainable_pages() < n_pages:
+            return False
+        if self.prefix_cache:
+            self.prefix_cache.evict(n_pages - self.pool.num_free_pages)
+        return self.store.reclaim_pages(n_pages)
+
+    def _unshare(self, pages: list[int]) -> None:
+        if pages:
+            self.prefix_cache.release(pages)
+
+    def on_prefilled(self, seqs: list[Sequence]) -> None:
+        """The prefill of ``seqs`` was dispatched: their prompts' full pages join the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        for seq in seqs:
+            if seq.status == Status.RUNNING:
+                seq.shared_pages = self.prefix_cache.insert(seq.adapter, seq.prompt_ids, seq.kv_pages,
+                                                            seq.shared_pages, (KV, seq.request_id))
+
     # ---------------------------------------------------------------- finishing
     def free(self, seq: Sequence) -> None:
         """Return a sequence's pages and adapter pin (finished, aborted or preempted)."""
         if seq.kv_pages:
-            self.pool.free_kv_pages(seq.kv_pages, owner=seq.request_id)
-            seq.kv_pages = []
+            self.pool.free_kv_pages(seq.kv_pages[seq.shared_pages:], owner=seq.request_id)
+            self._unshare(seq.kv_pages[:seq.shared_pages])
+            seq.kv_pages, seq.shared_pages = [], 0
         if seq.status == Status.RUNNING:
             self._release(seq)
             self.running.remove(seq)
@@ -249,8 +295,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status == Status.FINISHED:
+            return
         if seq.status == Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.free(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        self.policy.on_finished(seq)

@@ -29,6 +29,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
     text: str = ""  # new text, when the request has stop strings and the engine a tokenizer
+    error_kind: str | None = None  # with finish_reason "error": "adapter", "deadline" or "step" (whose fault)
 
 
 @dataclasses.dataclass(eq=False)
@@ -42,6 +43,7 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     kv_pages: list[int] = dataclasses.field(default_factory=list)
+    shared_pages: int = 0  # leading kv_pages that are prefix-cache references (not this sequence's own)
     adapter_slot: int = -1
     inflight: int = -1  # row of this sequence's sampled token in the step still on the device (-1 = none)
     num_cached: int = 0  # tokens whose K/V are in the pool
@@ -49,6 +51,9 @@ class Sequence:
     error: str | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    tenant: str | None = None  # whose service this counts towards (fairness policies); None: its adapter
+    deadline: float | None = None  # time.monotonic() by which its first token is due (SLO); None: no deadline
+    admit_time: float | None = None  # when admission last took it (its prefill step was built then)
     detok: Any = None  # IncrementalDetokenizer when stop strings must be watched
 
     @property

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pallas_kernels.backends import backend_names
 
-from ..engine.scheduler import POLICIES
+from ..engine.policies import POLICIES
 from .config import PROMPT_CHARS_PER_TOKEN, ServerConfig, check_api_key
 
 log = logging.getLogger("slora_jax.serve")
