@@ -247,3 +247,17 @@ def test_adapter_aware_loads_fewer_adapters_and_bounds_overtaking():
                 overtook = sum(1 for o in seqs if o.arrival_time > s.arrival_time and o.admit_time < s.admit_time)
                 assert overtook <= max_bypass + ecfg.max_prefill_seqs, overtook
     assert loads["adapter-aware"] < 0.8 * loads["fcfs"], loads
+
+
+def test_reconfigure_swaps_policy_and_cache_only_while_idle():
+    from slora_jax.engine.policies import EarliestDeadlineFirst, VirtualTokenCounter
+
+    sched = Scheduler(base_cfg(scheduling_policy="slo"), FakePool(64), FakeStore(4), clock=Clock())
+    assert isinstance(sched.policy, EarliestDeadlineFirst)
+    sched.reconfigure(scheduling_policy="vtc", early_abort=True)
+    assert isinstance(sched.policy, VirtualTokenCounter) and sched.ecfg.early_abort
+    with pytest.raises(ValueError, match="max_batch_size"):
+        sched.reconfigure(max_batch_size=4)  # shapes are compiled: not a scheduling setting
+    sched.add(Sequence(prompt_ids=[1, 2], adapter=None, sampling=SamplingParams(max_tokens=2)))
+    with pytest.raises(RuntimeError, match="no request"):
+        sched.reconfigure(scheduling_policy="fcfs")

@@ -248,7 +248,7 @@ class Engine:
                 log.warning("refusing %d request(s) whose step inputs cannot be built: %s", len(bad), e)
                 for seq in bad:
                     failed.append(self._finish(seq, "error", f"{INVALID_REQUEST}: its step inputs cannot be built "
-                                                             f"({e})"))
+                                                             f"({e})", "request"))
                 plan.seqs = [seq for seq in plan.seqs if seq not in bad]
         return None, failed
 
@@ -374,6 +374,12 @@ class Engine:
         self.store.unregister(name)
         if self.scheduler.prefix_cache is not None:  # a new adapter of this name must not hit the old one's K/V
             self.scheduler.prefix_cache.drop_adapter(name)
+
+    def reconfigure_scheduling(self, **changes) -> None:
+        """Change the admission policy, deadlines or prefix caching (EngineConfig's scheduling fields) while the
+        engine is idle; shapes and compiled steps are untouched, so nothing compiles."""
+        self.scheduler.reconfigure(**changes)
+        self.ecfg = self.scheduler.ecfg
 
     # ---------------------------------------------------------------- conveniences
     def warmup(self, progress: bool = True) -> None:

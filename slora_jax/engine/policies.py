@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 
@@ -31,10 +32,13 @@ from .sequence import Sequence
 
 @dataclasses.dataclass(frozen=True)
 class PolicyContext:
-    """What a policy may consult: the settings and whether an adapter is resident in the pool."""
+    """What a policy may consult: the settings, whether an adapter is resident in the pool, the scheduler's clock and
+    its typical admission-to-first-token time lately (seconds; 0 before any)."""
 
     ecfg: EngineConfig
     is_resident: Callable[[str], bool] = lambda name: False
+    clock: Callable[[], float] = time.monotonic
+    typical_ttft: Callable[[], float] = lambda: 0.0
 
 
 class Policy:
@@ -90,11 +94,17 @@ class FCFS(Policy):
 
 @register_policy("slo")
 class EarliestDeadlineFirst(Policy):
-    """Earliest first-token deadline first; requests without one after those with one, in arrival order."""
+    """Earliest first-token deadline first among requests that can still expect to make it (deadline further than
+    the typical first-token time lately); then those that could make it only with a faster than typical first
+    token; then requests without a deadline, in arrival order. Under overload the capacity goes to requests likely
+    to meet their deadline instead of to ones that would most likely be late (and, with early abort, cut)."""
 
     def order(self, waiting: deque[Sequence]) -> Iterator[Sequence]:
+        horizon = self.ctx.clock() + self.ctx.typical_ttft()
         with_deadline = sorted((s for s in waiting if s.deadline is not None), key=lambda s: s.deadline)
-        return itertools.chain(with_deadline, (s for s in waiting if s.deadline is None))
+        likely = [s for s in with_deadline if s.deadline >= horizon]
+        unlikely = [s for s in with_deadline if s.deadline < horizon]
+        return itertools.chain(likely, unlikely, (s for s in waiting if s.deadline is None))
 
 
 def tenant_of(seq: Sequence) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -54,15 +55,34 @@ class Scheduler:
     def __init__(self, ecfg: EngineConfig, pool: PagedPool, store, policy: Policy | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.ecfg, self.pool, self.store = ecfg, pool, store
-        self.policy = policy or make_policy(ecfg.scheduling_policy, PolicyContext(ecfg, store.is_resident))
         self.clock = clock
+        self._ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
+        self.policy = policy or make_policy(ecfg.scheduling_policy, self._policy_context(ecfg))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._failed: list[tuple[Sequence, str, str]] = []
         self.num_preemptions = 0
         self.num_deadline_aborts = 0
         self.prefix_cache = PrefixCache(pool.allocator, ecfg.page_size) if ecfg.prefix_cache else None
-        self._ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
+
+    SCHEDULING_FIELDS = ("scheduling_policy", "first_token_slo_s", "early_abort", "vtc_input_weight",
+                         "vtc_output_weight", "adapter_lookahead", "adapter_max_bypass", "prefix_cache")
+
+    def reconfigure(self, **changes) -> None:
+        """Change admission settings (``SCHEDULING_FIELDS`` of EngineConfig) while no request is in the engine: a
+        new policy object and, if asked, a fresh (or no) prefix cache. Nothing else about the engine changes."""
+        unknown = set(changes) - set(self.SCHEDULING_FIELDS)
+        if unknown:
+            raise ValueError(f"not scheduling settings: {sorted(unknown)} (these are: {self.SCHEDULING_FIELDS})")
+        if self.has_work():
+            raise RuntimeError("reconfigure the scheduler only while no request is waiting or running")
+        ecfg = dataclasses.replace(self.ecfg, **changes)
+        policy = make_policy(ecfg.scheduling_policy, self._policy_context(ecfg))
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.ecfg, self.policy = ecfg, policy
+        self.prefix_cache = PrefixCache(self.pool.allocator, ecfg.page_size) if ecfg.prefix_cache else None
+        self._ttfts.clear()
 
     def take_failed(self) -> list[tuple[Sequence, str, str]]:
         """Sequences that cannot be served (reason, kind: "adapter" failed to load, "deadline" missed), once each."""
@@ -85,6 +105,13 @@ class Scheduler:
         if seq.admit_time is not None:
             self._ttfts.append(now - seq.admit_time)
         return not (self.ecfg.early_abort and seq.deadline is not None and now > seq.deadline)
+
+    def _policy_context(self, ecfg: EngineConfig) -> PolicyContext:
+        return PolicyContext(ecfg, self.store.is_resident, self.clock, self.typical_time_to_first_token)
+
+    def typical_time_to_first_token(self) -> float:
+        """The median admission-to-first-token time lately (0 before any)."""
+        return statistics.median(self._ttfts) if self._ttfts else 0.0
 
     def min_time_to_first_token(self) -> float:
         """A lower bound on admission-to-first-token seen lately (0 before any): a waiting request whose deadline is
