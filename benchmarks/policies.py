@@ -11,7 +11,8 @@ scheduler is reconfigured (``Engine.reconfigure_scheduling``), so the compiled s
    counts only requests that were not aborted.
 2. Two tenants, one sending 10x the other's rate, the sum at 1.5x saturation: the light tenant's mean first-token
    latency under FCFS and VTC, against its latency when it sends alone.
-3. Each adapter's requests share a 512-token system prompt: throughput and first-token latency with and without the
+3. Each adapter's requests (1.5x the saturation rate, but short: 8-64 new prompt tokens, 8-128 output) share a
+   512-token system prompt: throughput and first-token latency with and without the
    prefix cache.
 Traces are short (arrivals for ``--seconds``, then at most ``--drain-s`` more) to fit a device lease.
 """
@@ -207,7 +208,7 @@ def main() -> None:
         k = min(n, 20)  # adapters with a system prompt each
         systems = [rng.integers(3, cfg.vocab_size, size=system_len).tolist() for _ in range(k)]
         short = (8, 64) if not args.tiny else (4, 16)
-        trace = make_trace(k, 0.8 * sat, max(int(0.8 * sat * args.seconds), 4), in_range=short,
+        trace = make_trace(k, 1.5 * sat, max(int(1.5 * sat * args.seconds), 4), in_range=short,
                            out_range=(8, 128) if not args.tiny else (4, 16), seed=31)
         prompts = [systems[r.adapter] + rng.integers(3, cfg.vocab_size, size=r.prompt_len).tolist() for r in trace]
         for cache in (False, True):
