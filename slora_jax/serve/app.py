@@ -67,13 +67,15 @@ routes = APIRouter()
 @routes.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request, ctx: Ctx):
     arrival = time.monotonic()
-    return await ctx.generations.respond(await ctx.requests.completion(req), arrival, request)
+    tenant = ctx.requests.tenant_of(request.headers)
+    return await ctx.generations.respond(await ctx.requests.completion(req, tenant), arrival, request)
 
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request, ctx: Ctx):
     arrival = time.monotonic()
-    return await ctx.generations.respond(await ctx.requests.chat(req), arrival, request)
+    tenant = ctx.requests.tenant_of(request.headers)
+    return await ctx.generations.respond(await ctx.requests.chat(req, tenant), arrival, request)
 
 
 # ---------------------------------------------------------------- models and adapters
@@ -143,7 +145,7 @@ def create_app(engine_thread: EngineThread, config: ServerConfig, tokenizer=None
     ctx = ServeContext(
         config=config, engine_thread=engine_thread, metrics=metrics,
         requests=RequestBuilder(engine, base_name, tokenizer, config.prompt_chars_limit(max_model_len),
-                                config.tokenizer_threads),
+                                config.tokenizer_threads, config.tenant_header),
         generations=GenerationRunner(engine_thread, metrics, tokenizer),
         adapters=AdapterAdmin(engine, base_name, config.allowed_adapter_dirs),
         drain=Drain(engine_thread),

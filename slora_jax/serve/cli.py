@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from pathlib import Path
 
 from pallas_kernels.backends import backend_names
 
+from ..engine.config import EngineConfig
 from ..engine.policies import POLICIES
-from .config import PROMPT_CHARS_PER_TOKEN, ServerConfig, check_api_key
+from .config import DEFAULT_TENANT_HEADER, PROMPT_CHARS_PER_TOKEN, ServerConfig, check_api_key, check_header_name
 
 log = logging.getLogger("slora_jax.serve")
 
@@ -47,8 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt + output tokens (default: the model's, at most 2048)")
     e.add_argument("--max-prefill-tokens", type=int, default=None, help="tokens per prefill step (>= max-model-len)")
     e.add_argument("--max-waiting", type=int, default=4096, help="queued requests before 429")
-    e.add_argument("--scheduling-policy", choices=sorted(POLICIES), default="fcfs",
-                   help="order in which waiting requests are admitted (and their adapters prefetched)")
     e.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     e.add_argument("--backend", choices=backend_names(), default=None,
                    help="kernels: pallas (GPU default) or the jnp reference (CPU default)")
@@ -58,6 +58,28 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
                    help="params and pool dtype (auto: bfloat16 on GPU, float32 on CPU)")
     e.add_argument("--no-warmup", action="store_true", help="compile step buckets on first use instead of now")
+    q = p.add_argument_group("scheduling (docs/SERVING.md, 'Scheduling policies')")
+    q.add_argument("--scheduling-policy", choices=sorted(POLICIES), default="fcfs",
+                   help="order in which waiting requests are admitted (and their adapters prefetched)")
+    q.add_argument("--first-token-slo-s", type=positive_seconds, default=None, metavar="SECONDS",
+                   help="default first-token deadline after arrival (a request may set its own first_token_slo_s); "
+                   "the slo policy serves the earliest deadline first")
+    q.add_argument("--early-abort", action="store_true",
+                   help="end a request that can no longer meet its first-token deadline (HTTP 503) instead of "
+                   "serving it late")
+    q.add_argument("--enable-prefix-caching", action="store_true",
+                   help="share the KV pages of prompt prefixes (same adapter, same tokens) between requests")
+    q.add_argument("--vtc-weights", type=vtc_weights, default=None, metavar="IN,OUT",
+                   help="vtc: service counted per prompt token and per generated token (default "
+                   f"{EngineConfig.vtc_input_weight:g},{EngineConfig.vtc_output_weight:g})")
+    q.add_argument("--adapter-lookahead", type=positive_int, default=None, metavar="N",
+                   help="adapter-aware: waiting requests searched for one whose adapter is resident (default "
+                   f"{EngineConfig.adapter_lookahead})")
+    q.add_argument("--adapter-max-bypass", type=non_negative_int, default=None, metavar="N",
+                   help="adapter-aware: how many younger requests may be admitted before a waiting one, which then "
+                   f"goes first (default {EngineConfig.adapter_max_bypass}; 0 = fcfs)")
+    q.add_argument("--tenant-header", type=header_name, default=DEFAULT_TENANT_HEADER, metavar="NAME",
+                   help="request header naming the tenant a request counts towards under vtc (absent: its adapter)")
     s = p.add_argument_group("HTTP")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -76,6 +98,78 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, how long running requests may take to finish before they end with an error")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+# ---------------------------------------------------------------- flag values (argparse types: bad ones exit 2)
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number of seconds, got {text!r}")
+    return value
+
+
+def vtc_weights(text: str) -> tuple[float, float]:
+    parts = text.split(",")
+    try:
+        weights = tuple(float(x) for x in parts)
+    except ValueError:
+        weights = ()
+    if len(weights) != 2:
+        raise argparse.ArgumentTypeError(f"expected IN,OUT (two numbers, e.g. 1,2), got {text!r}")
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
+        raise argparse.ArgumentTypeError(f"weights must be finite and >= 0, not both 0, got {text!r}")
+    return weights
+
+
+def _int(text: str, lowest: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < lowest:
+        raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _int(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _int(text, 0)
+
+
+def header_name(text: str) -> str:
+    try:
+        return check_header_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# flags that only one policy reads: given with another policy they do nothing, which the log says
+_POLICY_FLAGS = {"vtc_weights": "vtc", "adapter_lookahead": "adapter-aware", "adapter_max_bypass": "adapter-aware"}
+
+
+def scheduling_options(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` scheduling fields the flags ask for (unset flags keep the engine's defaults)."""
+    opts = dict(scheduling_policy=args.scheduling_policy, first_token_slo_s=args.first_token_slo_s,
+                early_abort=args.early_abort, prefix_cache=args.enable_prefix_caching)
+    if args.vtc_weights is not None:
+        opts["vtc_input_weight"], opts["vtc_output_weight"] = args.vtc_weights
+    for name in ("adapter_lookahead", "adapter_max_bypass"):
+        if getattr(args, name) is not None:
+            opts[name] = getattr(args, name)
+    for name, policy in _POLICY_FLAGS.items():
+        if getattr(args, name) is not None and args.scheduling_policy != policy:
+            log.warning("--%s only applies to --scheduling-policy %s (this server uses %s)", name.replace("_", "-"),
+                        policy, args.scheduling_policy)
+    if args.early_abort and args.first_token_slo_s is None:
+        log.info("--early-abort without --first-token-slo-s: only requests with their own first_token_slo_s have a "
+                 "deadline")
+    return opts
 
 
 def parse_lora_modules(items: list[str]) -> dict[str, Path]:
@@ -147,7 +241,6 @@ def register_adapters(engine, base_name: str, lora_modules: dict[str, Path], ada
 
 def build_server(args: argparse.Namespace):
     """Load the model and adapters, warm up, and return a ready-to-run :class:`Server`."""
-    from ..engine.config import EngineConfig
     from ..engine.engine import Engine
     from ..model.config import ModelConfig
     from ..tools.tokenizer import load_tokenizer
@@ -178,8 +271,7 @@ def build_server(args: argparse.Namespace):
         max_prefill_tokens=max(args.max_prefill_tokens or max_len, max_len), page_size=args.page_size,
         max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
         pool_bytes=pool_bytes, num_pages=args.num_pages, dtype=dtype, backend=backend, max_waiting=args.max_waiting,
-        scheduling_policy=args.scheduling_policy,
-        layer_loop=args.layer_loop,
+        layer_loop=args.layer_loop, **scheduling_options(args),
         decode_lora_variants=on_gpu)  # fewer launches matter on a GPU; on CPU they only triple decode compiles
     # kernel tiles: the backend's defaults for this platform (pallas_kernels.backends.default_tiles)
     tokenizer = load_tokenizer(model_dir)
@@ -203,7 +295,7 @@ def build_server(args: argparse.Namespace):
                           allowed_adapter_dirs=tuple(adapter_dirs) + tuple(args.allowed_adapter_dir),
                           max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                           header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
-                          shutdown_grace_s=args.shutdown_grace_s)
+                          shutdown_grace_s=args.shutdown_grace_s, tenant_header=args.tenant_header)
     return Server(engine, config, host=args.host, port=args.port, log_level=args.log_level,
                   tokenizer=load_tokenizer(model_dir))  # its own copy: the engine thread decodes concurrently
 

@@ -5,11 +5,25 @@ grace period."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 # A prompt of more characters than this many per context token could never fit: tokens of Llama-family vocabularies
 # rarely exceed 16 characters. The limit bounds tokenization work (which grows with the text) before it starts.
 PROMPT_CHARS_PER_TOKEN = 32
+
+DEFAULT_TENANT_HEADER = "X-Tenant-Id"
+MAX_TENANT_CHARS = 256  # a tenant id is a key the fairness policy keeps state under: bounded, printable ASCII
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")  # an RFC 9110 token, of sane length
+
+
+def check_header_name(name: str) -> str:
+    """``name`` if it can be an HTTP header name (RFC 9110 token characters, at most 64), else ValueError."""
+    if not _HEADER_NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not an HTTP header name (1-64 letters, digits and !#$%&'*+.^_`|~-)")
+    if name.lower() in ("authorization", "content-length", "content-type", "host"):
+        raise ValueError(f"{name!r} is a standard header with its own meaning; pick another for the tenant")
+    return name
 
 
 def check_api_key(key: str | None) -> None:
@@ -37,9 +51,11 @@ class ServerConfig:
     body_timeout_s: float = 30.0  # from the last header to the last byte of the body (408 after)
     shutdown_grace_s: float = 30.0  # on SIGTERM, how long running requests may take to finish
     tokenizer_threads: int = 4  # tokenization and chat templating run here, never on the event loop
+    tenant_header: str = DEFAULT_TENANT_HEADER  # request header naming whose service a request counts towards
 
     def __post_init__(self) -> None:
         check_api_key(self.api_key)
+        check_header_name(self.tenant_header)
         for name in ("max_body_bytes", "header_timeout_s", "body_timeout_s", "tokenizer_threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")

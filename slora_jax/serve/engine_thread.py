@@ -67,6 +67,8 @@ class _Submission:
     watch_stop_strings: bool
     stream: RequestStream
     accepted: asyncio.Future
+    tenant: str | None = None
+    first_token_slo_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -157,17 +159,19 @@ class EngineThread:
 
     # ---------------------------------------------------------------- event-loop side
     async def submit(self, prompt_ids: list[int], adapter: str | None, sampling: SamplingParams,
-                     request_id: str, watch_stop_strings: bool = True) -> RequestStream:
+                     request_id: str, watch_stop_strings: bool = True, tenant: str | None = None,
+                     first_token_slo_s: float | None = None) -> RequestStream:
         """Queue a request; returns its output stream once the engine accepted it.
 
         Raises what ``Engine.add_request`` raises (ValueError, KeyError, QueueFull) or :class:`EngineUnavailable`.
         ``watch_stop_strings=False``: the caller detokenizes the outputs and aborts on a stop string itself.
+        ``tenant`` and ``first_token_slo_s`` go to ``add_request`` as they are (None: the engine's defaults).
         """
         if not self.alive or self.closing:
             raise EngineUnavailable(self.closing or self.fatal or "the engine is not running")
         loop = asyncio.get_running_loop()
         sub = _Submission(request_id, list(prompt_ids), adapter, sampling, watch_stop_strings,
-                          RequestStream(request_id, loop), loop.create_future())
+                          RequestStream(request_id, loop), loop.create_future(), tenant, first_token_slo_s)
         with self._cv:
             self._submits.append(sub)
             self._cv.notify()
@@ -231,7 +235,8 @@ class EngineThread:
             return
         try:
             self.engine.add_request(sub.prompt_ids, sub.adapter, sub.sampling, request_id=sub.request_id,
-                                    on_output=self._on_output, watch_stop_strings=sub.watch_stop_strings)
+                                    on_output=self._on_output, watch_stop_strings=sub.watch_stop_strings,
+                                    tenant=sub.tenant, first_token_slo_s=sub.first_token_slo_s)
         except Exception as e:  # ValueError / KeyError / QueueFull go back to the handler as they are
             _resolve(sub.accepted, error=e)
             return

@@ -4,6 +4,10 @@ Text is made here from the token ids (``IncrementalDetokenizer``), off the engin
 tokens and stop strings split across tokens come out right in streams too. This is the request's only detokenizer:
 the engine is told not to watch stop strings (``watch_stop_strings=False``); when one matches here the request ends
 with "stop" and is aborted in the engine, which frees its pages.
+
+A request the engine ended with an error is answered by whose fault it was (``RequestOutput.error_kind``): the
+request's own (a bad adapter, inputs that cannot be packed) 400; a first-token deadline it could not meet (early
+abort) 503 ``deadline_exceeded``, so the client retries later or elsewhere; anything else 500.
 """
 
 from __future__ import annotations
@@ -18,13 +22,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.detok import IncrementalDetokenizer
-from ..engine.engine import INVALID_REQUEST, QueueFull, RequestRejected
+from ..engine.engine import QueueFull, RequestRejected
 from ..engine.sequence import RequestOutput
 from ..lora.peft import AdapterError
 from .engine_thread import EngineThread, EngineUnavailable, RequestStream
 from .metrics import ServerMetrics
 from .protocol import APIError, chat_choice, chat_delta, completion_choice, envelope, new_id, usage
 from .request_builder import PreparedRequest
+
+# RequestOutput.error_kind values: the request's own fault (400), and a first-token deadline missed (503)
+CLIENT_FAULTS = ("adapter", "request")
+DEADLINE = "deadline"
 
 
 class SSEResponse(StreamingResponse):
@@ -58,6 +66,7 @@ class Generation:
         self.done = False
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.error_kind: str | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -81,8 +90,9 @@ class Generation:
             self.engine_thread.abort(self.rid)
         if reason is not None:
             self.done = True
-            self.finish_reason, self.error = reason, out.error
-            self.metrics.finished.labels(reason).inc()
+            self.finish_reason, self.error, self.error_kind = reason, out.error, out.error_kind
+            deadline = reason == "error" and out.error_kind == DEADLINE
+            self.metrics.finished.labels("deadline" if deadline else reason).inc()
             if reason in ("stop", "length"):
                 self.metrics.e2e.observe(now - self.arrival)
         return self.detok.take(final=self.done)
@@ -97,7 +107,9 @@ class Generation:
     def _failure(self) -> APIError:
         if self.finish_reason == "error":
             message = self.error or "generation failed"
-            return APIError(400 if message.startswith(("adapter ", INVALID_REQUEST)) else 500, message)
+            if self.error_kind == DEADLINE:
+                return APIError(503, message, error_type="deadline_exceeded")
+            return APIError(400 if self.error_kind in CLIENT_FAULTS else 500, message)
         return APIError(503, self.error or f"the request was aborted ({self.finish_reason})")  # e.g. shutting down
 
     def _ok(self) -> bool:
@@ -179,7 +191,8 @@ class GenerationRunner:
         rid = new_id("cmpl" if prepared.kind == "completion" else "chatcmpl")
         try:
             stream = await self.engine_thread.submit(prepared.prompt_ids, prepared.adapter, prepared.sampling, rid,
-                                                     watch_stop_strings=False)
+                                                     watch_stop_strings=False, tenant=prepared.tenant,
+                                                     first_token_slo_s=prepared.first_token_slo_s)
         except QueueFull as e:
             raise APIError(429, f"the server is busy: {e}") from None
         except KeyError as e:

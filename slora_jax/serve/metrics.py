@@ -1,7 +1,8 @@
 """Prometheus metrics of the server, in a registry of its own (several apps in one process never collide).
 
-Counters and histograms are updated as requests flow; gauges (queue, batch, adapters per tier, pool split, compiles)
-are refreshed from ``engine.stats()`` at scrape time, so they are exact when read and cost nothing between scrapes.
+Counters and histograms are updated as requests flow; gauges (queue, batch, adapters per tier, pool split, compiles,
+prefix cache, deadline aborts) are refreshed from ``engine.stats()`` at scrape time, so they are exact when read and
+cost nothing between scrapes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ _TIER_KEYS = {
 # AdapterStore.stats() counters worth exporting as they are.
 _STORE_STATS = ("pinned", "loading", "failed", "hits", "misses", "evictions", "loads", "prefetch_loads", "staged_loads",
                 "host_loads", "host_evictions", "load_errors", "host_bytes", "resident_pages")
+# PrefixCache.stats() entries (its counters appear once they move: exported as 0 until then while the cache is on).
+_PREFIX_STATS = ("cached_pages", "unused_pages", "hit_pages", "miss_pages", "inserted", "evicted")
 
 
 def _number(v) -> float | None:
@@ -63,6 +66,11 @@ class ServerMetrics:
                                            registry=r)
         self.adapter_store = Gauge(f"{p}_adapter_store", "Adapter store counters (hits, misses, evictions, loads, "
                                    "pinned, host_bytes, ...)", ["stat"], registry=r)
+        self.prefix_cache = Gauge(f"{p}_prefix_cache", "Prefix cache pages (cached_pages, unused_pages) and page "
+                                  "counters since start (hit_pages, miss_pages, inserted, evicted); absent when "
+                                  "prefix caching is off", ["stat"], registry=r)
+        self.deadline_aborts = Gauge(f"{p}_deadline_aborts", "Requests taken out of the waiting queue by early abort "
+                                     "since start (their first-token deadline could no longer be met)", registry=r)
         self.steps = Gauge(f"{p}_engine_steps", "Engine steps taken", registry=r)
         self.step_failures = Gauge(f"{p}_engine_step_failures", "Engine steps that raised", registry=r)
         self.host_seconds = Gauge(f"{p}_engine_host_seconds", "Engine-thread seconds since start, summed per step "
@@ -72,7 +80,8 @@ class ServerMetrics:
     def refresh(self, stats: dict, step_failures: int = 0) -> None:
         """Set the gauges from ``engine.stats()``; missing keys leave a gauge as it was."""
         for gauge, key in ((self.waiting, "waiting"), (self.running, "running"), (self.steps, "steps"),
-                           (self.compiles, "compiles"), (self.compiles_since_warmup, "compiles_since_warmup")):
+                           (self.compiles, "compiles"), (self.compiles_since_warmup, "compiles_since_warmup"),
+                           (self.deadline_aborts, "deadline_aborts")):
             v = _number(stats.get(key))
             if v is not None:
                 gauge.set(v)
@@ -106,6 +115,12 @@ class ServerMetrics:
             v = _number(adapters.get(key))
             if v is not None:
                 self.adapter_store.labels(key).set(v)
+        prefix = stats.get("prefix_cache") or {}
+        if prefix:  # empty: prefix caching is off
+            for key in _PREFIX_STATS:
+                v = _number(prefix.get(key, 0))
+                if v is not None:
+                    self.prefix_cache.labels(key).set(v)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -7,6 +7,7 @@ Unknown extra fields are ignored, as OpenAI clients send several optional ones.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any, Literal
@@ -24,25 +25,25 @@ class APIError(Exception):
              413: "invalid_request_error",
              429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, error_type: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.error_type = status, message, param, error_type
 
     def body(self) -> dict:
-        return error_body(self.status, self.message, self.param)
+        return error_body(self.status, self.message, self.param, self.error_type)
 
 
 MAX_ERROR_CHARS = 2000  # error messages may quote the client's input: never echo a megabyte back
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None, error_type: str | None = None) -> dict:
     """The error JSON; the message is cut to :data:`MAX_ERROR_CHARS` and made encodable (a lone surrogate quoted
-    from the request would make the response itself fail)."""
+    from the request would make the response itself fail). ``error_type`` defaults to the status's usual type."""
     if len(message) > MAX_ERROR_CHARS:
         message = message[:MAX_ERROR_CHARS] + "..."
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return {"error": {"message": message, "type": APIError.TYPES.get(status, "server_error"), "param": param,
-                      "code": status}}
+    return {"error": {"message": message, "type": error_type or APIError.TYPES.get(status, "server_error"),
+                      "param": param, "code": status}}
 
 
 def check_text(text: str, field: str) -> str:
@@ -82,8 +83,14 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM extension: token ids of the prompt and the output in the response
+    # our extension: this request's first-token deadline in seconds (overrides --first-token-slo-s); a number only
+    first_token_slo_s: float | None = Field(None, strict=True)
 
     def check_supported(self) -> None:
+        slo = self.first_token_slo_s
+        if slo is not None and not (slo > 0 and math.isfinite(slo)):
+            raise APIError(400, f"first_token_slo_s must be a positive finite number of seconds, got {slo!r}",
+                           "first_token_slo_s")
         if self.n != 1:
             raise APIError(400, f"n={self.n} is not supported (only n=1)", "n")
         if self.presence_penalty or self.frequency_penalty:

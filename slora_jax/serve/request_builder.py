@@ -3,7 +3,8 @@
 Whether the request fits the pool is the engine's question (``add_request`` refuses with the field to blame); this
 turns the client's words into ids and settings, refusing what cannot be turned (unknown model, no tokenizer, a chat
 template that raises, text that is not valid Unicode, sampling values out of range) and what is too large to be
-worth tokenizing (more characters than ``max_prompt_chars``) or to queue (more tokens than the context).
+worth tokenizing (more characters than ``max_prompt_chars``) or to queue (more tokens than the context). The tenant a
+request's service counts towards (fairness policies) comes from a request header, checked here too.
 
 Tokenizing and templating grow with the text, so they run in a small thread pool (:class:`TokenizerThreads`), never
 on the event loop: a megabyte prompt must not stall every other client's stream.
@@ -16,10 +17,12 @@ import concurrent.futures
 import copy
 import dataclasses
 import threading
+from collections.abc import Mapping
 from typing import Literal
 
 from ..engine.engine import RequestRejected
 from ..engine.sampling import SamplingParams
+from .config import DEFAULT_TENANT_HEADER, MAX_TENANT_CHARS
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, check_text
 
 # Used when the tokenizer has no chat template of its own: role-tagged turns, generation after "assistant:".
@@ -45,6 +48,8 @@ class PreparedRequest:
     return_token_ids: bool
     stream: bool
     include_usage: bool
+    tenant: str | None = None  # from the tenant header; None: the engine counts the request towards its adapter
+    first_token_slo_s: float | None = None  # the request's own first-token deadline; None: the server's default
 
 
 class TokenizerThreads:
@@ -75,16 +80,30 @@ class RequestBuilder:
     """Builds :class:`PreparedRequest` s for one engine. ``completion`` and ``chat`` are coroutines that do their
     work in the tokenizer threads; ``tokenizer`` (None: token-id prompts only) is copied once per thread."""
 
-    def __init__(self, engine, base_name: str, tokenizer, max_prompt_chars: int, threads: int = 4):
+    def __init__(self, engine, base_name: str, tokenizer, max_prompt_chars: int, threads: int = 4,
+                 tenant_header: str = DEFAULT_TENANT_HEADER):
         self.engine, self.base_name, self.max_prompt_chars = engine, base_name, max_prompt_chars
+        self.tenant_header = tenant_header
         self.has_tokenizer = tokenizer is not None
         self.threads = TokenizerThreads(tokenizer, threads)
 
-    async def completion(self, req: CompletionRequest) -> PreparedRequest:
-        return await self.threads.run(self.build_completion, req)
+    async def completion(self, req: CompletionRequest, tenant: str | None = None) -> PreparedRequest:
+        return await self.threads.run(self.build_completion, req, tenant)
 
-    async def chat(self, req: ChatCompletionRequest) -> PreparedRequest:
-        return await self.threads.run(self.build_chat, req)
+    async def chat(self, req: ChatCompletionRequest, tenant: str | None = None) -> PreparedRequest:
+        return await self.threads.run(self.build_chat, req, tenant)
+
+    def tenant_of(self, headers: Mapping[str, str]) -> str | None:
+        """The tenant named by the request's tenant header: None when absent or empty, 400 unless it is at most
+        :data:`MAX_TENANT_CHARS` printable ASCII characters (it becomes a key the fairness policy keeps state
+        under)."""
+        value = headers.get(self.tenant_header)
+        if not value:
+            return None
+        if len(value) > MAX_TENANT_CHARS or not all(" " <= c <= "~" for c in value):
+            raise APIError(400, f"the {self.tenant_header} header must be at most {MAX_TENANT_CHARS} printable ASCII "
+                           f"characters (got {len(value)} characters)", self.tenant_header)
+        return value
 
     def close(self) -> None:
         self.threads.close()
@@ -118,16 +137,16 @@ class RequestBuilder:
         check_text(text, field)
         return list(self.threads.tokenizer().encode(text, add_special_tokens=add_special_tokens))
 
-    def build_completion(self, req: CompletionRequest) -> PreparedRequest:
+    def build_completion(self, req: CompletionRequest, tenant: str | None = None) -> PreparedRequest:
         req.check_supported()
         adapter = self.adapter_for(req.model)
         prompt = req.single_prompt()
         prompt_ids = self.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
-        prepared = self._prepared("completion", req, adapter, prompt_ids, COMPLETION_DEFAULT_MAX_TOKENS)
+        prepared = self._prepared("completion", req, adapter, prompt_ids, COMPLETION_DEFAULT_MAX_TOKENS, tenant)
         self.check_tokens(len(prompt_ids))
         return prepared
 
-    def build_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+    def build_chat(self, req: ChatCompletionRequest, tenant: str | None = None) -> PreparedRequest:
         req.check_supported()
         adapter = self.adapter_for(req.model)
         if not self.has_tokenizer:
@@ -147,13 +166,13 @@ class RequestBuilder:
             raise APIError(400, f"cannot apply the chat template: {e}", "messages") from None
         # the template already wrote the special tokens
         prompt_ids = self.encode(text, add_special_tokens=False, field="messages")
-        prepared = self._prepared("chat", req, adapter, prompt_ids, None)
+        prepared = self._prepared("chat", req, adapter, prompt_ids, None, tenant)
         self.check_tokens(len(prompt_ids))
         return prepared
 
     @staticmethod
-    def _prepared(kind: Kind, req, adapter: str | None, prompt_ids: list[int],
-                  default_max_tokens: int | None) -> PreparedRequest:
+    def _prepared(kind: Kind, req, adapter: str | None, prompt_ids: list[int], default_max_tokens: int | None,
+                  tenant: str | None) -> PreparedRequest:
         for s in [req.stop] if isinstance(req.stop, str) else req.stop or []:
             check_text(s, "stop")
         try:
@@ -162,4 +181,4 @@ class RequestBuilder:
             raise APIError(400, str(e)) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return PreparedRequest(kind, req.model, adapter, prompt_ids, sampling, req.return_token_ids, req.stream,
-                               include_usage)
+                               include_usage, tenant, req.first_token_slo_s)
