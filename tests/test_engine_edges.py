@@ -359,3 +359,16 @@ def test_staging_area_smaller_than_the_prefill_head_is_refused():
     EngineConfig(**base, max_staged_adapters=16).validate()
     with pytest.raises(ValueError, match="max_staged_adapters"):
         EngineConfig(**base, max_staged_adapters=8).validate()
+
+
+def test_default_pool_is_sized_from_memory_free_after_the_weights():
+    from slora_jax.engine.config import CPU_POOL_BYTES, POOL_FRACTION
+
+    rng = np.random.default_rng()
+    limit, used = int(rng.integers(40, 140)) << 30, int(rng.integers(1, 30)) << 30
+    cfg = EngineConfig(max_batch_size=4, max_prefill_tokens=64, max_model_len=64)
+    assert cfg.with_pool_size({"bytes_limit": limit, "bytes_in_use": used}).pool_bytes == int(POOL_FRACTION *
+                                                                                            (limit - used))
+    assert cfg.with_pool_size(None).pool_bytes == CPU_POOL_BYTES  # the CPU reports no limit
+    given = dataclasses.replace(cfg, pool_bytes=1 << 20)
+    assert given.with_pool_size({"bytes_limit": limit, "bytes_in_use": used}) is given  # an explicit size wins

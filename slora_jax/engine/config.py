@@ -18,6 +18,8 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
 
 
 LAYER_LOOPS = ("auto", "scan", "unroll")
+POOL_FRACTION = 0.85  # of the device memory free after the weights, when the pool size is not given
+CPU_POOL_BYTES = 256 << 20
 
 
 def resolve_layer_loop(layer_loop: str, platform: str) -> str:
@@ -42,7 +44,7 @@ class EngineConfig:
     # largest adapters); 0 = off, else at least max_prefill_seqs (the head the engine prefetches for), or the head's
     # stagings push each other out and its adapters are copied at admission, on the engine thread
     max_staged_adapters: int = 32
-    pool_bytes: int | None = None  # memory budget of the unified pool
+    pool_bytes: int | None = None  # memory budget of the unified pool (neither this nor num_pages: auto_pool_bytes)
     num_pages: int | None = None  # or an explicit page count (tests)
     dtype: str = "bfloat16"
     backend: str = "pallas"  # a name from pallas_kernels.backends.backend_names()
@@ -77,6 +79,16 @@ class EngineConfig:
     def prefill_buckets(self) -> tuple[int, ...]:
         return pow2_buckets(self.min_prefill_bucket, self.max_prefill_tokens)
 
+    def with_pool_size(self, device_memory_stats: dict | None) -> EngineConfig:
+        """``pool_bytes`` from the device's free memory when neither it nor ``num_pages`` is set (call it after the
+        weights are on the device): ``POOL_FRACTION`` of what is free, the rest left for activations, the sampler
+        and adapter staging; 256 MiB where the device reports no limit (the CPU)."""
+        if self.pool_bytes is not None or self.num_pages is not None:
+            return self
+        stats = device_memory_stats or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        return dataclasses.replace(self, pool_bytes=int(POOL_FRACTION * free) if free > 0 else CPU_POOL_BYTES)
+
     def with_platform_defaults(self, platform: str) -> EngineConfig:
         """Unset tile settings taken from the kernel backend's defaults for ``platform`` (the backend table owns
         them, so a new backend brings its own)."""
@@ -102,6 +114,4 @@ class EngineConfig:
             raise ValueError("max_prefill_tokens must be >= max_model_len (a whole prompt is prefilled in one step)")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {self.layer_loop!r}")
-        if self.pool_bytes is None and self.num_pages is None:
-            raise ValueError("set pool_bytes or num_pages")
         return self

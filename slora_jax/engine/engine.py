@@ -80,6 +80,7 @@ class Engine:
         get_backend(ecfg.backend)  # unknown names fail here, listing the known ones
         self.tokenizer = tokenizer
         dtype = jnp.dtype(ecfg.dtype)
+        ecfg = self.ecfg = ecfg.with_pool_size(jax.devices()[0].memory_stats())  # the weights are on the device now
         self.pool = PagedPool(cfg, page_size=ecfg.page_size, max_slots=ecfg.max_loras, max_rank=ecfg.max_lora_rank,
                               num_pages=ecfg.num_pages, memory_bytes=None if ecfg.num_pages else ecfg.pool_bytes,
                               dtype=dtype)

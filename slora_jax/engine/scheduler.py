@@ -104,7 +104,9 @@ class Scheduler:
             return True
         if seq.admit_time is not None:
             self._ttfts.append(now - seq.admit_time)
-        return not (self.ecfg.early_abort and seq.deadline is not None and now > seq.deadline)
+        late = self.ecfg.early_abort and seq.deadline is not None and now > seq.deadline
+        self.num_deadline_aborts += late
+        return not late
 
     def _policy_context(self, ecfg: EngineConfig) -> PolicyContext:
         return PolicyContext(ecfg, self.store.is_resident, self.clock, self.typical_time_to_first_token)

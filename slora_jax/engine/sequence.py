@@ -29,7 +29,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
     text: str = ""  # new text, when the request has stop strings and the engine a tokenizer
-    error_kind: str | None = None  # with finish_reason "error": "adapter", "deadline" or "step" (whose fault)
+    error_kind: str | None = None  # with finish_reason "error": "adapter", "request", "deadline" (whose fault)
 
 
 @dataclasses.dataclass(eq=False)

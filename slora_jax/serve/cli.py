@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
     e = p.add_argument_group("engine")
     e.add_argument("--pool-gb", type=float, default=None,
-                   help="memory of the unified KV + adapter pool (default: most of the free device memory on a "
-                   "GPU, 0.25 GB on CPU)")
+                   help="memory of the unified KV + adapter pool (default: 85%% of the device memory free after "
+                   "the weights are loaded; 0.25 GB on CPU)")
     e.add_argument("--num-pages", type=int, default=None, help="pool size in pages instead of --pool-gb")
     e.add_argument("--max-batch-size", type=int, default=64, help="running sequences per decode step")
     e.add_argument("--max-model-len", type=int, default=None,
@@ -197,18 +197,6 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _default_pool_bytes(on_gpu: bool) -> int:
-    if not on_gpu:
-        return int(0.25 * 2**30)
-    import jax
-
-    stats = jax.devices()[0].memory_stats() or {}
-    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-    if free <= 0:
-        raise SystemExit("cannot read free device memory: give --pool-gb")
-    return int(0.85 * free)  # the rest: activations of the largest bucket, sampler, staging
-
-
 def register_adapters(engine, base_name: str, lora_modules: dict[str, Path], adapter_dirs: list[Path]) -> None:
     """``--lora-modules`` through the one validate-then-register path (a bad one stops the server with the reason),
     then every adapter subdir (config checked now, weights on first use; a bad one is skipped with its reason)."""
@@ -265,7 +253,8 @@ def build_server(args: argparse.Namespace):
 
     cfg = ModelConfig.from_model_dir(model_dir)
     max_len = args.max_model_len or min(cfg.max_position_embeddings, 2048)
-    pool_bytes = None if args.num_pages else int(args.pool_gb * 2**30) if args.pool_gb else _default_pool_bytes(on_gpu)
+    # no --pool-gb / --num-pages: the engine sizes the pool from the memory free once the weights are loaded
+    pool_bytes = None if args.num_pages else int(args.pool_gb * 2**30) if args.pool_gb else None
     ecfg = EngineConfig(
         max_batch_size=args.max_batch_size, max_model_len=max_len,
         max_prefill_tokens=max(args.max_prefill_tokens or max_len, max_len), page_size=args.page_size,
