@@ -156,7 +156,7 @@ def served_process(tmp_path):
     cmd = [sys.executable, "-m", "slora_jax.serve", "--model", str(model_dir), "--adapter-dir",
            str(tmp_path / "adapters"), "--num-pages", "256", "--max-model-len", "256", "--max-batch-size", "16",
            "--max-loras", "8", "--max-lora-rank", "32", "--no-warmup", "--port", "0", "--shutdown-grace-s", "0.5",
-           "--served-model-name", BASE_NAME]
+           "--served-model-name", BASE_NAME, "--compilation-cache-dir", str(tmp_path / "xla")]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 from pallas_kernels.backends import backend_names
@@ -58,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
                    help="params and pool dtype (auto: bfloat16 on GPU, float32 on CPU)")
     e.add_argument("--no-warmup", action="store_true", help="compile step buckets on first use instead of now")
+    e.add_argument("--compilation-cache-dir", type=Path, default=Path(os.environ.get(
+                       "SLORA_JAX_CACHE_DIR", Path.home() / ".cache" / "slora_jax")) / "xla",
+                   help="keep compiled steps here so a restart skips its compiles (default: "
+                        "$SLORA_JAX_CACHE_DIR/xla or ~/.cache/slora_jax/xla)")
+    e.add_argument("--no-compilation-cache", action="store_true", help="compile every step at start-up")
     q = p.add_argument_group("scheduling (docs/SERVING.md, 'Scheduling policies')")
     q.add_argument("--scheduling-policy", choices=sorted(POLICIES), default="fcfs",
                    help="order in which waiting requests are admitted (and their adapters prefetched)")
@@ -229,12 +235,17 @@ def register_adapters(engine, base_name: str, lora_modules: dict[str, Path], ada
 
 def build_server(args: argparse.Namespace):
     """Load the model and adapters, warm up, and return a ready-to-run :class:`Server`."""
+    from ..engine import compile_counter
     from ..engine.engine import Engine
     from ..model.config import ModelConfig
     from ..tools.tokenizer import load_tokenizer
     from .demo import DEMO_MODEL_NAME, ensure_demo
     from .server import Server
 
+    started = time.monotonic()
+    if not args.no_compilation_cache:
+        cache = compile_counter.enable_persistent_cache(args.compilation_cache_dir)
+        log.info("compilation cache: %s", cache)
     on_gpu = _on_gpu()
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     backend = args.backend or ("pallas" if on_gpu else "reference")
@@ -267,7 +278,9 @@ def build_server(args: argparse.Namespace):
     if tokenizer is None:
         log.warning("%s has no tokenizer: only token-id prompts on /v1/completions will work", model_dir)
     log.info("loading %s (%s, backend %s)", model_dir, dtype, backend)
+    t = time.monotonic()
     engine = Engine.from_model_dir(model_dir, ecfg, tokenizer=tokenizer, progress=True)
+    log.info("weights loaded and pool allocated in %.1f s", time.monotonic() - t)
     pool = engine.stats()["pool"]
     capacity = pool["num_pages"] * ecfg.page_size
     if capacity < max_len:
@@ -276,10 +289,17 @@ def build_server(args: argparse.Namespace):
     log.info("pool: %d pages of %d tokens (%.2f GiB), KV and adapters together", pool["num_pages"],
              ecfg.page_size, pool["pool_bytes"] / 2**30)
 
+    t = time.monotonic()
     register_adapters(engine, name, lora_modules, adapter_dirs)
+    log.info("%d adapters registered in %.1f s", len(engine.adapter_names()), time.monotonic() - t)
     if not args.no_warmup:
         log.info("warming up: compiling every step bucket once, so serving never compiles")
+        t, compiles, hits = time.monotonic(), compile_counter.compile_count(), compile_counter.cache_hits()
         engine.warmup(progress=True)
+        log.info("warm-up: %d compiles (%d from the compilation cache) in %.1f s",
+                 compile_counter.compile_count() - compiles, compile_counter.cache_hits() - hits,
+                 time.monotonic() - t)
+    log.info("ready in %.1f s after start", time.monotonic() - started)
     config = ServerConfig(served_model_name=name, api_key=args.api_key,
                           allowed_adapter_dirs=tuple(adapter_dirs) + tuple(args.allowed_adapter_dir),
                           max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
