@@ -8,8 +8,8 @@ Three tiers, after S-LoRA:
 * **host** (:class:`~slora_jax.engine.host_tier.HostTier`, thread-safe): rows in the pool dtype, read on IO threads
   and staged on the device ahead of their pool loads.
 * **pool** (this module, engine thread): resident adapters, each pinned (refcounted) while a running sequence uses
-  it; unpinned ones stay as a cache and are evicted in the order an :class:`EvictionPolicy` gives (least recently
-  used first by default) when a load needs a slot or pages. A pinned adapter is never evicted.
+  it or an operator pinned it (``pin``); unpinned ones stay as a cache and are evicted in the order an
+  :class:`EvictionPolicy` gives (LRU by default) when a load needs a slot or pages. A pinned one is never evicted.
 
 ``prefetch`` is called right after the engine dispatches a step: it starts host reads for the head of the waiting
 queue and turns host-ready adapters into pool loads, which are async JAX dispatches that overlap the running step;
@@ -23,8 +23,11 @@ adapters on the pool behind its back.
 from __future__ import annotations
 
 import abc
+import dataclasses
+import logging
+import time
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +37,11 @@ from slora_jax.engine.pool import PagedPool
 from slora_jax.lora.pool_rows import AdapterRows
 from slora_jax.model.config import MODULES, ModelConfig
 
-__all__ = ["LRU", "AdapterInUse", "AdapterStore", "EvictionPolicy", "NoRoom"]
+__all__ = ["LRU", "TIERS", "AdapterInUse", "AdapterStore", "EvictionPolicy", "NoRoom"]
+
+log = logging.getLogger(__name__)
+
+TIERS = ("device", "host", "disk")  # where an adapter's weights are: the pool, host memory, only its source
 
 
 class NoRoom(RuntimeError):
@@ -79,6 +86,24 @@ class LRU(EvictionPolicy):
         return (name for name in self._order if name in candidates)
 
 
+@dataclasses.dataclass(slots=True)
+class _Usage:
+    """One adapter's pool-tier books for the residency API, O(1) per event."""
+
+    loads: int = 0
+    evictions: int = 0
+    load_seconds: float = 0.0  # host seconds of its pool loads, summed (the device copy may still run after)
+    last_load_seconds: float | None = None
+    last_used: float | None = None  # unix time a request last acquired or released it
+
+
+_UNUSED = _Usage()
+
+
+def _timing(count: int, total: float, last: float | None) -> dict:
+    return {"count": count, "mean": total / count if count else None, "last": last}
+
+
 class AdapterStore:
     """Registered adapters, their host-memory cache and their residency in the pool (see the module docstring).
 
@@ -100,6 +125,10 @@ class AdapterStore:
         self._pins: dict[str, int] = {}
         self._evictable_pages = 0  # pages of unpinned resident adapters
         self._counts: Counter[str] = Counter()
+        self._explicit: dict[str, int] = {}  # an operator's pins (also counted in _pins): name -> count
+        self._usage: dict[str, _Usage] = {}
+        self._listeners: tuple[Callable[[str, str, float | None], None], ...] = ()
+        self.host.on_read = lambda name, seconds: self._tell(name, "host_read", seconds)
 
     # ---- registration (thread-safe: host tier only) ---------------------------------------------------------
 
@@ -126,12 +155,16 @@ class AdapterStore:
         return len(self.host)
 
     def unregister(self, name: str) -> None:
-        """Forget an adapter in every tier; raises :class:`AdapterInUse` while a running sequence pins it."""
+        """Forget an adapter in every tier; raises :class:`AdapterInUse` while running sequences or explicit pins
+        pin it."""
         if self._pins.get(name):
-            raise AdapterInUse(f"adapter {name!r} is pinned by {self._pins[name]} running sequence(s)")
+            explicit = self._explicit.get(name, 0)
+            raise AdapterInUse(f"adapter {name!r} is pinned by {self._pins[name] - explicit} running sequence(s) and "
+                               f"{explicit} explicit pin(s)")
         if name in self._resident:
             self._unload(name)
         self.host.unregister(name)
+        self._usage.pop(name, None)
 
     # ---- pool tier ------------------------------------------------------------------------------------------
 
@@ -141,6 +174,11 @@ class AdapterStore:
         Raises :class:`AdapterError` for an unknown or broken adapter, :class:`NoRoom` (nothing changed; its host
         read is started) when it cannot fit even after evicting every unpinned adapter.
         """
+        slot = self._acquire(name)
+        self._books(name).last_used = time.time()
+        return slot
+
+    def _acquire(self, name: str) -> int:
         if name in self._resident:
             self.eviction.mark_used(name)
             self._pin(name)
@@ -161,6 +199,10 @@ class AdapterStore:
 
     def release(self, name: str) -> None:
         """Drop one pin; the adapter stays resident, as a cache, until a load needs its room."""
+        self._drop_pin(name)
+        self._books(name).last_used = time.time()
+
+    def _drop_pin(self, name: str) -> None:
         count = self._pins.get(name, 0)
         if count <= 0:
             raise ValueError(f"adapter {name!r} is not pinned")
@@ -174,7 +216,73 @@ class AdapterStore:
         return name in self._resident
 
     def pin_count(self, name: str) -> int:
+        """Pins of every kind: running sequences' and explicit ones."""
         return self._pins.get(name, 0)
+
+    # ---- explicit pins (an operator's: the residency API) ----------------------------------------------------
+
+    def check_pin(self, name: str, keep_free_pages: int = 0) -> None:
+        """Raise :class:`NoRoom` if a first explicit pin of ``name`` would leave the explicitly pinned adapters all
+        slots but one, or fewer than ``keep_free_pages`` pool pages to everything else (so requests of other
+        adapters can always run); :class:`AdapterError` if it is unknown or failed."""
+        pages = self.host.usable_pages(name)
+        if self._explicit.get(name):
+            return
+        held = sum(self._resident[n] for n in self._explicit) + self._resident.get(name, pages)
+        if len(self._explicit) + 1 >= self.pool.max_slots or held > self.pool.num_pages - keep_free_pages:
+            raise NoRoom(f"pinning adapter {name!r} would leave {len(self._explicit) + 1} of {self.pool.max_slots} "
+                         f"slots and {held} of {self.pool.num_pages} pool pages pinned; explicit pins must leave a "
+                         f"slot and {keep_free_pages} pages to the others")
+
+    def pin(self, name: str, keep_free_pages: int = 0) -> int:
+        """Make ``name`` resident (blocking on its source if its rows are not in host memory) and keep it there until
+        as many :meth:`unpin` calls; returns its explicit pin count. Raises as :meth:`check_pin` and :meth:`acquire`.
+        """
+        self.check_pin(name, keep_free_pages)
+        self._acquire(name)
+        self._explicit[name] = self._explicit.get(name, 0) + 1
+        return self._explicit[name]
+
+    def unpin(self, name: str) -> int:
+        """Drop one explicit pin (ValueError if it has none); returns those left. Unpinned, it stays as a cache."""
+        count = self._explicit.get(name, 0)
+        if count <= 0:
+            raise ValueError(f"adapter {name!r} has no explicit pin")
+        if count == 1:
+            del self._explicit[name]
+        else:
+            self._explicit[name] = count - 1
+        self._drop_pin(name)
+        return count - 1
+
+    # ---- the residency API ----------------------------------------------------------------------------------
+
+    def states(self, tier: str | None = None, names: Iterable[str] | None = None) -> list[dict]:
+        """Each registered adapter (or those of ``names``; only those in ``tier`` of :data:`TIERS` if given) as a
+        plain dict: its tier, size, pins, pool loads and evictions, last use (unix time), load times (pool loads and
+        reads from the source: count, mean and last seconds) and failure reason (None if fine). O(adapters)."""
+        out = []
+        for name, h in self.host.describe(names).items():
+            pages = self._resident.get(name)
+            where = "device" if pages is not None else "host" if h["in_host"] else "disk"
+            if tier is not None and where != tier:
+                continue
+            pages = h["pages"] if pages is None else pages
+            use, pins, explicit = self._usage.get(name, _UNUSED), self._pins.get(name, 0), self._explicit.get(name, 0)
+            out.append({"name": name, "tier": where, "rank": h["rank"], "targets": list(h["targets"]),
+                        "pages": pages, "bytes": pages * self.pool.page_bytes, "pinned": pins > 0,
+                        "request_pins": pins - explicit, "explicit_pins": explicit, "loads": use.loads,
+                        "evictions": use.evictions, "last_used": use.last_used,
+                        "load_seconds": {"pool": _timing(use.loads, use.load_seconds, use.last_load_seconds),
+                                         "host": _timing(*h["reads"])},
+                        "error": h["error"]})
+        return out
+
+    def add_listener(self, listener: Callable[[str, str, float | None], None]) -> None:
+        """Thread-safe: ``listener(name, event, seconds)`` for every pool load (``"pool_load"``, its host seconds),
+        eviction (``"eviction"``, None) and read from the source (``"host_read"``, seconds), on the engine thread or
+        an IO thread. It must be cheap; an exception is logged, never raised."""
+        self._listeners = (*self._listeners, listener)
 
     def resident(self) -> list[str]:
         """Resident adapters, the first to be evicted first (pinned ones included, in the policy's order)."""
@@ -289,6 +397,7 @@ class AdapterStore:
             "registered": host.pop("registered"),
             "resident": len(self._resident),
             "pinned": len(self._pins),
+            "explicit_pins": sum(self._explicit.values()),
             "resident_pages": sum(self._resident.values()),
             "evictable_pages": self._evictable_pages,
             **{k: self._counts[k] for k in keys},
@@ -336,6 +445,7 @@ class AdapterStore:
 
     def _load(self, name: str, rows: AdapterRows, wait_staged: bool = False) -> int:
         """Load into the pool, using pages an IO thread staged when ready (``wait_staged``: or being staged now)."""
+        t0 = time.perf_counter()
         staged = self.host.take_staged(name, rows, wait_staged)
         slot = self.pool.load_adapter(name, rows, staged)
         self.host.loaded(name)
@@ -346,11 +456,30 @@ class AdapterStore:
         self.eviction.mark_used(name)
         self._evictable_pages += pages
         self._counts["loads"] += 1
+        seconds = time.perf_counter() - t0
+        use = self._books(name)
+        use.loads, use.load_seconds, use.last_load_seconds = use.loads + 1, use.load_seconds + seconds, seconds
+        self._tell(name, "pool_load", seconds)
         return slot
 
     def _evict(self, name: str) -> None:
         self._unload(name)
         self._counts["evictions"] += 1
+        self._books(name).evictions += 1
+        self._tell(name, "eviction", None)
+
+    def _books(self, name: str) -> _Usage:
+        use = self._usage.get(name)
+        if use is None:
+            use = self._usage[name] = _Usage()
+        return use
+
+    def _tell(self, name: str, event: str, seconds: float | None) -> None:
+        for listener in self._listeners:
+            try:
+                listener(name, event, seconds)
+            except Exception:  # noqa: BLE001 - a metrics hook must not fail a load
+                log.exception("adapter event listener failed")
 
     def _unload(self, name: str) -> None:
         assert not self._pins.get(name), f"unloading pinned adapter {name!r}"

@@ -337,7 +337,8 @@ class Engine:
 
     # ---------------------------------------------------------------- what a server may ask
     # Engine-thread calls, except where a docstring says thread-safe. A server asks through these, never through
-    # the engine's parts (scheduler, pool, store), so those stay free to change.
+    # the engine's parts (scheduler, pool, store), so those stay free to change. The residency API (adapter_states,
+    # read_adapter, pin_adapter, unpin_adapter, watch_adapters) tells routers where each adapter is.
 
     def running_request_ids(self) -> list[str]:
         """Requests in the running batch (those a failed step may have hurt)."""
@@ -375,6 +376,41 @@ class Engine:
         self.store.unregister(name)
         if self.scheduler.prefix_cache is not None:  # a new adapter of this name must not hit the old one's K/V
             self.scheduler.prefix_cache.drop_adapter(name)
+
+    def adapter_states(self, tier: str | None = None) -> list[dict]:
+        """Every registered adapter's residency as plain dicts (``tier``: only those in ``device``, ``host`` or
+        ``disk``): size, pins, loads, evictions, last use, load times, failure reason (``AdapterStore.states``)."""
+        return self.store.states(tier)
+
+    def read_adapter(self, name: str, timeout: float | None = None) -> None:
+        """Thread-safe, blocking (call it off the engine thread): the adapter's rows into host memory, so that a pin
+        right after does not read its source on the engine thread. Raises its :class:`AdapterError`."""
+        self.store.host.fetch(name).result(timeout)
+
+    def pin_adapter(self, name: str) -> dict:
+        """Make ``name`` resident and keep it so until as many :meth:`unpin_adapter` calls; returns its state.
+        KeyError if unknown, :class:`AdapterError` if it cannot be loaded, ``NoRoom`` if it cannot fit now or if
+        explicit pins would leave other adapters no slot, or less than a full-length request and the largest
+        adapter in pages."""
+        if name not in self.store:
+            raise KeyError(f"unknown adapter {name!r}")
+        keep = self.ecfg.max_pages_per_seq + self.pool.max_pages
+        self.store.check_pin(name, keep)
+        self.scheduler.reclaim_pages(self.store.pages_needed_to_load(name))  # unused cached prefixes go first
+        self.store.pin(name, keep)
+        return self.store.states(names=[name])[0]
+
+    def unpin_adapter(self, name: str) -> dict:
+        """Drop one explicit pin (KeyError if unknown, ValueError if it has none); returns its state."""
+        if name not in self.store:
+            raise KeyError(f"unknown adapter {name!r}")
+        self.store.unpin(name)
+        return self.store.states(names=[name])[0]
+
+    def watch_adapters(self, listener: Callable[[str, str, float | None], None]) -> None:
+        """Thread-safe: ``listener(name, event, seconds)`` on pool loads, evictions and source reads (see
+        ``AdapterStore.add_listener``; called on the engine thread and IO threads, so cheap and thread-safe)."""
+        self.store.add_listener(listener)
 
     def reconfigure_scheduling(self, **changes) -> None:
         """Change the admission policy, deadlines or prefix caching (EngineConfig's scheduling fields) while the

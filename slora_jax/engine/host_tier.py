@@ -13,8 +13,9 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,6 +38,9 @@ class _Entry:
     name: str
     source: AdapterSource
     pages: int  # pool pages once resident (from the rank table; refreshed from the real rows after a load)
+    rank: int = 0  # largest rank over layers and projections (0: registered as failed)
+    targets: tuple[str, ...] = ()  # projections adapted in some layer
+    reads: tuple[int, float, float | None] = (0, 0.0, None)  # reads from the source: count, seconds summed, last
 
 
 @dataclasses.dataclass(eq=False)
@@ -96,6 +100,7 @@ class HostTier:
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="adapter-io")
         self._staging = DeviceStaging(pool, self._lock, self._executor, self.max_staged)
         self._closed = False
+        self.on_read: Callable[[str, float], None] | None = None  # (name, seconds) of each read: see _tell_read
 
     # ---- registry ---------------------------------------------------------------------------------------------
 
@@ -109,14 +114,19 @@ class HostTier:
         entry = self._validated_entry(name, as_source(source))
         rows = None
         if verify:
+            t0 = time.perf_counter()
             rows = self._read(entry)
             entry.pages = rows.pages_needed(self.pool.page_rows)
+            seconds = time.perf_counter() - t0
+            entry.reads = (1, seconds, seconds)  # not published yet: no lock needed
         with self._lock:
             if name in self._entries:
                 raise ValueError(f"adapter {name!r} is already registered; unregister it first")
             self._entries[name] = entry
             if rows is not None:
                 self._insert_host(name, rows)
+        if rows is not None:
+            self._tell_read(name, entry.reads[2])
 
     def register_dir(self, root: str | Path, *, strict: bool = False) -> list[str]:
         """Register every subdir of ``root`` holding an ``adapter_config.json``, named after the subdir.
@@ -207,6 +217,16 @@ class HostTier:
         if error is not None:
             raise error
         return entry.pages
+
+    def describe(self, names: Iterable[str] | None = None) -> dict[str, dict]:
+        """Per registered adapter (all, or those of ``names``): pages, rank, targets, whether its rows are in host
+        memory, its failure reason (or None), and its reads from the source (count, seconds summed, last)."""
+        with self._lock:
+            entries = (list(self._entries.values()) if names is None
+                       else [e for e in map(self._entries.get, names) if e is not None])
+            return {e.name: {"pages": e.pages, "rank": e.rank, "targets": e.targets, "in_host": e.name in self._host,
+                             "error": getattr(self._errors.get(e.name), "reason", None),
+                             "reads": e.reads} for e in entries}
 
     def pages_to_load(self, name: str) -> int:
         """Pool pages of an adapter that may be loaded; 0 for unknown or failed ones (their loads raise why)."""
@@ -355,7 +375,17 @@ class HostTier:
         if pages > min(self.pool.num_pages, self.pool.max_pages):
             raise AdapterError(name, f"needs {pages} pool pages; the pool has {self.pool.num_pages} "
                                      f"(at most {self.pool.max_pages} per adapter)")
-        return _Entry(name, source, pages)
+        adapted = ranks.max(axis=0, initial=0)
+        return _Entry(name, source, pages, int(adapted.max(initial=0)),
+                      tuple(m for m, r in zip(MODULES, adapted, strict=True) if r))
+
+    def _tell_read(self, name: str, seconds: float) -> None:
+        """Lock not held, on the reading thread: tell ``on_read`` (metrics); its failure never fails the read."""
+        try:
+            if self.on_read is not None:
+                self.on_read(name, seconds)
+        except Exception:  # noqa: BLE001 - a metrics hook
+            log.exception("adapter read listener failed")
 
     def _read(self, entry: _Entry) -> AdapterRows:
         """Lock not held: the adapter's rows from its source, checked against ``max_rank``."""
@@ -397,8 +427,10 @@ class HostTier:
             load.claimed = True
         entry, name = load.entry, load.entry.name
         rows, error, staging = None, None, None
+        t0 = time.perf_counter()
         try:
             rows = self._read(entry)
+            seconds = time.perf_counter() - t0
             staging = None if inline else self._staging.claim_after_read(entry, name)
         except AdapterError as e:
             error = e
@@ -432,6 +464,7 @@ class HostTier:
                     self._errors[name] = error
             else:
                 self._counts["host_loads"] += 1
+                entry.reads = (entry.reads[0] + 1, entry.reads[1] + seconds, seconds)
                 if current:
                     entry.pages = rows.pages_needed(self.pool.page_rows)
                     self._insert_host(name, rows)
@@ -441,6 +474,8 @@ class HostTier:
             finish(staging.future, staged, None if staged is not None else AdapterError(name, "not staged"))
         if error is not None:
             log.warning("%s", error)
+        else:
+            self._tell_read(name, seconds)
         finish(load.future, rows, error)
 
     def _insert_host(self, name: str, rows: AdapterRows) -> None:

@@ -5,6 +5,9 @@ Registration reads and checks every weight before the name is served (``engine.r
 a corrupt or mismatched adapter is refused with its reason and never reaches a request. Refusals are
 :class:`APIError` s with the status the HTTP API answers; the CLI reports their message and stops.
 
+The residency API's rules are here too: which tiers may be asked for, and how pin and unpin refusals are answered
+(404 unknown, 409 cannot be loaded, cannot fit, or not pinned).
+
 Runtime loads are untrusted: a name must be printable and at most :data:`MAX_NAME_CHARS` long; a path must be
 printable, at most :data:`MAX_PATH_CHARS` long, and everything it leads to must really be inside an allowed
 directory, symlinks followed at every level, the adapter's files included (403 otherwise; checked again on the
@@ -17,6 +20,7 @@ import errno
 import os
 from pathlib import Path
 
+from ..engine.adapter_store import TIERS, NoRoom
 from ..lora.adapter_files import inside
 from ..lora.peft import AdapterError, AdapterNotAllowed
 from ..lora.sources import PeftDirSource
@@ -82,11 +86,49 @@ class AdapterAdmin:
         except ValueError as e:  # the name was taken meanwhile
             raise APIError(400, str(e), "lora_name") from None
 
-    def check_unloadable(self, name: str) -> None:
+    def check_unloadable(self, name: str, action: str = "unloaded") -> None:
+        """400 for the base model (it cannot be ``action``), 404 for a name that is not a loaded adapter."""
         if name == self.base_name:
-            raise APIError(400, "the base model cannot be unloaded", "lora_name")
+            raise APIError(400, f"the base model cannot be {action}", "lora_name")
         if not self.engine.has_adapter(name):
             raise APIError(404, f"no adapter named {name!r} is loaded", "lora_name")
+
+    # ---- residency ------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def check_tier(tier: str | None) -> None:
+        if tier is not None and tier not in TIERS:
+            raise APIError(400, f"tier must be one of {', '.join(TIERS)}, got {tier[:50]!r}", "tier")
+
+    def read(self, name: str, timeout: float | None = None) -> None:
+        """The adapter's rows into host memory ahead of its pin, so the engine thread does not wait on disk. Blocks:
+        call it off the event loop and off the engine thread. 409 if it cannot be loaded."""
+        try:
+            self.engine.read_adapter(name, timeout)
+        except AdapterError as e:
+            if not self.engine.has_adapter(name):
+                raise APIError(404, f"no adapter named {name!r} is loaded", "lora_name") from None
+            raise APIError(409, f"cannot pin: {e}", "lora_name") from None
+        except TimeoutError:
+            raise APIError(503, f"reading adapter {name!r} took longer than {timeout} s", "lora_name") from None
+
+    def pin(self, name: str) -> dict:
+        """Pin ``name`` resident; its state. Engine thread only (``engine_thread.call``)."""
+        try:
+            return self.engine.pin_adapter(name)
+        except KeyError:
+            raise APIError(404, f"no adapter named {name!r} is loaded", "lora_name") from None
+        except (AdapterError, NoRoom) as e:
+            raise APIError(409, f"cannot pin: {e}", "lora_name") from None
+
+    def unpin(self, name: str) -> dict:
+        """Drop one explicit pin; its state. Engine thread only (``engine_thread.call``)."""
+        try:
+            return self.engine.unpin_adapter(name)
+        except KeyError:
+            raise APIError(404, f"no adapter named {name!r} is loaded", "lora_name") from None
+        except ValueError as e:
+            raise APIError(409, str(e), "lora_name") from None
 
     def unregister(self, name: str) -> None:
         """Stop serving ``name``. Engine thread only (``engine_thread.call``)."""

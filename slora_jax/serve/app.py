@@ -29,7 +29,7 @@ from .gate import RequestGate, api_route_paths
 from .generation import GenerationRunner
 from .limits import BodyLimits
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, LoadLoraRequest, UnloadLoraRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, LoadLoraRequest, PinLoraRequest, UnloadLoraRequest
 from .request_builder import RequestBuilder
 from .shutdown import Drain
 
@@ -110,6 +110,33 @@ async def unload_lora_adapter(req: UnloadLoraRequest, ctx: Ctx):
             "message": f"Success: LoRA adapter {name!r} removed successfully."}
 
 
+# ---------------------------------------------------------------- adapter residency (routers ask where adapters are)
+@routes.get("/v1/adapters")
+async def adapter_states(ctx: Ctx, tier: str | None = None):
+    ctx.adapters.check_tier(tier)
+    data = await ctx.engine_thread.call(lambda: ctx.engine.adapter_states(tier), timeout=ctx.config.admin_timeout_s)
+    return {"object": "list", "data": data}
+
+
+@routes.post("/v1/adapters/pin")
+async def pin_adapter(req: PinLoraRequest, ctx: Ctx):
+    name, timeout = req.lora_name, ctx.config.admin_timeout_s
+    ctx.adapters.check_unloadable(name, "pinned")
+    await run_in_threadpool(ctx.adapters.read, name, timeout)  # a disk read: off the loop and the engine thread
+    state = await ctx.engine_thread.call(lambda: ctx.adapters.pin(name), timeout=timeout)
+    log.info("pinned adapter %s (%d explicit pins)", name, state["explicit_pins"])
+    return {"object": "lora_adapter", "status": "pinned", **state}
+
+
+@routes.post("/v1/adapters/unpin")
+async def unpin_adapter(req: PinLoraRequest, ctx: Ctx):
+    name = req.lora_name
+    ctx.adapters.check_unloadable(name, "unpinned")
+    state = await ctx.engine_thread.call(lambda: ctx.adapters.unpin(name), timeout=ctx.config.admin_timeout_s)
+    log.info("unpinned adapter %s (%d explicit pins left)", name, state["explicit_pins"])
+    return {"object": "lora_adapter", "status": "unpinned", **state}
+
+
 # ---------------------------------------------------------------- operations
 @routes.get("/health")
 async def health(ctx: Ctx):
@@ -140,6 +167,7 @@ def create_app(engine_thread: EngineThread, config: ServerConfig, tokenizer=None
     if tokenizer is None and engine.tokenizer is not None:
         tokenizer = copy.deepcopy(engine.tokenizer)
     metrics = ServerMetrics()
+    engine.watch_adapters(metrics.adapter_event)  # per-adapter pool loads, evictions and load seconds
     base_name = config.served_model_name
     max_model_len = engine.ecfg.max_model_len
     ctx = ServeContext(

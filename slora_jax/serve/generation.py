@@ -57,8 +57,9 @@ class Generation:
     """The state of one request's answer: its text and tokens so far, how it ended, and its latency metrics."""
 
     def __init__(self, prepared: PreparedRequest, rid: str, stream: RequestStream, engine_thread: EngineThread,
-                 metrics: ServerMetrics, arrival: float, tokenizer):
+                 metrics: ServerMetrics, arrival: float, tokenizer, adapter_label: str | None = None):
         self.req, self.rid, self.stream = prepared, rid, stream
+        self.adapter_label = adapter_label  # its label in the per-adapter series (None: the base model)
         self.engine_thread, self.metrics, self.arrival = engine_thread, metrics, arrival
         self.detok = IncrementalDetokenizer(tokenizer, prepared.sampling.stop)
         self.created = int(time.time())
@@ -82,6 +83,8 @@ class Generation:
                 self.metrics.tpot.observe((now - self.last_token_time) / len(out.new_token_ids))
             self.last_token_time = now
             self.metrics.generated_tokens.inc(len(out.new_token_ids))
+            if self.adapter_label is not None:
+                self.metrics.adapter_tokens.labels(self.adapter_label).inc(len(out.new_token_ids))
         self.detok.add(out.new_token_ids, final=out.finished)
         reason = out.finish_reason if out.finished else None
         if self.detok.stopped and reason != "stop":
@@ -189,6 +192,8 @@ class GenerationRunner:
     async def start(self, prepared: PreparedRequest, arrival: float) -> Generation:
         """Queue the request in the engine; the engine's refusals become API errors naming the field to blame."""
         rid = new_id("cmpl" if prepared.kind == "completion" else "chatcmpl")
+        # labelled before the engine sees it: the pool load its arrival may start is then counted under that label
+        label = None if prepared.adapter is None else self.metrics.adapter_labels.grant(prepared.adapter)
         try:
             stream = await self.engine_thread.submit(prepared.prompt_ids, prepared.adapter, prepared.sampling, rid,
                                                      watch_stop_strings=False, tenant=prepared.tenant,
@@ -206,7 +211,9 @@ class GenerationRunner:
         except EngineUnavailable as e:
             raise APIError(503, str(e)) from None
         self.metrics.prompt_tokens.inc(len(prepared.prompt_ids))
-        return Generation(prepared, rid, stream, self.engine_thread, self.metrics, arrival, self.tokenizer)
+        if label is not None:
+            self.metrics.adapter_requests.labels(label).inc()
+        return Generation(prepared, rid, stream, self.engine_thread, self.metrics, arrival, self.tokenizer, label)
 
     async def respond(self, prepared: PreparedRequest, arrival: float, request: Request) -> Response:
         gen = await self.start(prepared, arrival)

@@ -3,9 +3,14 @@
 Counters and histograms are updated as requests flow; gauges (queue, batch, adapters per tier, pool split, compiles,
 prefix cache, deadline aborts) are refreshed from ``engine.stats()`` at scrape time, so they are exact when read and
 cost nothing between scrapes.
+
+Per-adapter series (requests, tokens, pool loads, evictions, load seconds) are labelled by adapter with a bound on
+cardinality (:class:`AdapterLabels`): thousands of adapters must not mean thousands of series per metric.
 """
 
 from __future__ import annotations
+
+import threading
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -19,8 +24,13 @@ _TIER_KEYS = {
     "disk": ("registered", "disk"),  # every registered adapter has its source (disk) copy
 }
 # AdapterStore.stats() counters worth exporting as they are.
-_STORE_STATS = ("pinned", "loading", "failed", "hits", "misses", "evictions", "loads", "prefetch_loads", "staged_loads",
-                "host_loads", "host_evictions", "load_errors", "host_bytes", "resident_pages")
+_STORE_STATS = ("pinned", "explicit_pins", "loading", "failed", "hits", "misses", "evictions", "loads",
+                "prefetch_loads", "staged_loads", "host_loads", "host_evictions", "load_errors", "host_bytes",
+                "resident_pages")
+# Seconds of an adapter's read from its source (stage "host") or pool load (stage "pool").
+_LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+MAX_ADAPTER_LABELS = 64  # adapters with a label of their own in the per-adapter series; the rest are OTHER
+OTHER = "other"
 # PrefixCache.stats() entries (its counters appear once they move: exported as 0 until then while the cache is on).
 _PREFIX_STATS = ("cached_pages", "unused_pages", "hit_pages", "miss_pages", "inserted", "evicted")
 
@@ -35,10 +45,51 @@ def _number(v) -> float | None:
     return None
 
 
+class AdapterLabels:
+    """The adapter label of the per-adapter series. The first ``limit`` adapters that requests name get a label of
+    their own, for the life of the server; every other adapter (and one named like :data:`OTHER`) is counted under
+    ``OTHER``. Labels never move, so every series only grows: had the most used ``limit`` adapters been relabelled as
+    use shifts, an adapter leaving ``OTHER`` would make ``OTHER``'s counters fall. Thread-safe."""
+
+    def __init__(self, limit: int = MAX_ADAPTER_LABELS):
+        self.limit = limit
+        self._own: set[str] = set()
+        self._lock = threading.Lock()
+
+    def grant(self, name: str) -> str:
+        """``name``'s label, giving it one of its own while fewer than ``limit`` adapters have one."""
+        if name in self._own:
+            return name
+        with self._lock:
+            if name != OTHER and len(self._own) < self.limit:
+                self._own.add(name)
+                return name
+        return OTHER
+
+    def label(self, name: str) -> str:
+        return name if name in self._own else OTHER
+
+    def __len__(self) -> int:
+        return len(self._own)
+
+
 class ServerMetrics:
-    def __init__(self, prefix: str = "slora"):
+    def __init__(self, prefix: str = "slora", max_adapter_labels: int = MAX_ADAPTER_LABELS):
         self.registry = r = CollectorRegistry(auto_describe=True)
         p = prefix
+        self.adapter_labels = AdapterLabels(max_adapter_labels)
+        own = f"own label for the first {max_adapter_labels} adapters requested, the rest '{OTHER}'"
+        self.adapter_requests = Counter(f"{p}_adapter_requests", f"Requests accepted, by adapter ({own})", ["adapter"],
+                                        registry=r)
+        self.adapter_tokens = Counter(f"{p}_adapter_generation_tokens", f"Tokens generated, by adapter ({own})",
+                                      ["adapter"], registry=r)
+        self.adapter_loads = Counter(f"{p}_adapter_pool_loads", f"Loads into the device pool, by adapter ({own})",
+                                     ["adapter"], registry=r)
+        self.adapter_evictions = Counter(f"{p}_adapter_evictions", f"Evictions from the device pool, by adapter "
+                                         f"({own})", ["adapter"], registry=r)
+        self.adapter_load_seconds = Histogram(
+            f"{p}_adapter_load_seconds", f"Seconds of reads from the source (stage host) and of pool loads (stage "
+            f"pool, host time), by adapter ({own})", ["adapter", "stage"], buckets=_LOAD_BUCKETS, registry=r)
         self.requests = Counter(f"{p}_requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.finished = Counter(f"{p}_request_finish", "Generation requests finished, by finish reason",
@@ -121,6 +172,17 @@ class ServerMetrics:
                 v = _number(prefix.get(key, 0))
                 if v is not None:
                     self.prefix_cache.labels(key).set(v)
+
+    def adapter_event(self, name: str, event: str, seconds: float | None) -> None:
+        """The engine's adapter events (``Engine.watch_adapters``; engine thread and IO threads)."""
+        label = self.adapter_labels.label(name)
+        if event == "pool_load":
+            self.adapter_loads.labels(label).inc()
+            self.adapter_load_seconds.labels(label, "pool").observe(seconds)
+        elif event == "eviction":
+            self.adapter_evictions.labels(label).inc()
+        elif event == "host_read":
+            self.adapter_load_seconds.labels(label, "host").observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -202,6 +202,15 @@ class UnloadLoraRequest(BaseModel):
     lora_name: str = Field(min_length=1, max_length=256)
 
 
+class PinLoraRequest(BaseModel):
+    """``/v1/adapters/pin`` and ``/unpin``: the name in the body, as for load and unload (an adapter name may hold
+    a ``/``, and the endpoint label of the request metrics stays the route's path)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
 # ---------------------------------------------------------------- responses (plain dicts: cheap to build per chunk)
 
 def new_id(prefix: str) -> str:
