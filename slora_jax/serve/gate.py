@@ -68,7 +68,7 @@ class RequestGate:
                 self.metrics.requests.labels(endpoint, "401").inc()
                 await error_response(401, refusal)(scope, receive, send)
                 return
-        status = {"code": 500}
+        status: dict[str, int | None] = {"code": None}
 
         async def send_and_record(message) -> None:
             if message["type"] == "http.response.start":
@@ -78,5 +78,10 @@ class RequestGate:
         try:
             with self.drain.track():
                 await self.app(scope, receive, send_and_record)
+        except Exception:
+            status["code"] = status["code"] or 500
+            raise
         finally:
-            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+            # no response started and nothing raised: the client left first (e.g. before its body was read); count
+            # it as 499 like later disconnects, not as a 500 no client saw
+            self.metrics.requests.labels(endpoint, str(status["code"] or 499)).inc()
