@@ -56,7 +56,7 @@ class StepTiming(NamedTuple):
     append: float  # tokens appended, stops checked, callbacks run
 
 
-# The start of the error of a request ended for its own input (a server answers it with 400, not 500).
+# The start of the error message of a request ended for its own input (its error_kind is "request": HTTP 400).
 INVALID_REQUEST = "invalid request"
 
 

@@ -63,7 +63,7 @@ class Scheduler:
         self._failed: list[tuple[Sequence, str, str]] = []
         self.num_preemptions = 0
         self.num_deadline_aborts = 0
-        self.prefix_cache = PrefixCache(pool.allocator, ecfg.page_size) if ecfg.prefix_cache else None
+        self.prefix_cache = self._make_prefix_cache(ecfg)
 
     SCHEDULING_FIELDS = ("scheduling_policy", "first_token_slo_s", "early_abort", "vtc_input_weight",
                          "vtc_output_weight", "adapter_lookahead", "adapter_max_bypass", "prefix_cache")
@@ -81,8 +81,11 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         self.ecfg, self.policy = ecfg, policy
-        self.prefix_cache = PrefixCache(self.pool.allocator, ecfg.page_size) if ecfg.prefix_cache else None
+        self.prefix_cache = self._make_prefix_cache(ecfg)
         self._ttfts.clear()
+
+    def _make_prefix_cache(self, ecfg: EngineConfig) -> PrefixCache | None:
+        return PrefixCache(self.pool.allocator, ecfg.page_size) if ecfg.prefix_cache else None
 
     def take_failed(self) -> list[tuple[Sequence, str, str]]:
         """Sequences that cannot be served (reason, kind: "adapter" failed to load, "deadline" missed), once each."""
