@@ -9,7 +9,6 @@ pool load on the engine thread is only the scatter and table update.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from slora_jax.engine.device_staging import DeviceStaging, finish, staged_pages
+from slora_jax.engine.host_records import AdapterEntry, HostLoad
 from slora_jax.engine.pool import PagedPool, StagedPages
 from slora_jax.lora.peft import AdapterError
 from slora_jax.lora.pool_rows import AdapterRows, layout_key
@@ -31,26 +31,6 @@ from slora_jax.model.config import MODULES, ModelConfig
 __all__ = ["HostTier"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(eq=False)
-class _Entry:
-    name: str
-    source: AdapterSource
-    pages: int  # pool pages once resident (from the rank table; refreshed from the real rows after a load)
-    rank: int = 0  # largest rank over layers and projections (0: registered as failed)
-    targets: tuple[str, ...] = ()  # projections adapted in some layer
-    reads: tuple[int, float, float | None] = (0, 0.0, None)  # reads from the source: count, seconds summed, last
-
-
-@dataclasses.dataclass(eq=False)
-class _HostLoad:
-    """One read of an adapter from its source. Whoever claims it first runs it: an IO worker, or a blocking
-    ``rows_now`` when it would otherwise wait behind other queued loads."""
-
-    entry: _Entry
-    future: Future
-    claimed: bool = False
 
 
 def _done(result=None, error: BaseException | None = None) -> Future:
@@ -90,12 +70,12 @@ class HostTier:
         self._widths = np.array([sum(model_cfg.module_dims(m)) // model_cfg.head_dim for m in MODULES], np.int64)
 
         self._lock = threading.Lock()  # guards everything below
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, AdapterEntry] = {}
         self._errors: dict[str, AdapterError] = {}
         self._host: OrderedDict[str, AdapterRows] = OrderedDict()  # least recently used first
         self._host_sizes: dict[str, int] = {}
         self._host_bytes = 0
-        self._loads: dict[str, _HostLoad] = {}
+        self._loads: dict[str, HostLoad] = {}
         self._counts: Counter[str] = Counter()
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="adapter-io")
         self._staging = DeviceStaging(pool, self._lock, self._executor, self.max_staged)
@@ -146,7 +126,7 @@ class HostTier:
                 if strict:
                     raise
                 log.warning("%s", e)
-                entry, error = _Entry(sub.name, source, 0), e
+                entry, error = AdapterEntry(sub.name, source, 0), e
             with self._lock:
                 if sub.name in self._entries:
                     raise ValueError(f"adapter {sub.name!r} is already registered; unregister it first")
@@ -217,6 +197,12 @@ class HostTier:
         if error is not None:
             raise error
         return entry.pages
+
+    def rank_table(self, name: str) -> np.ndarray:
+        """The adapter's int32 ``[L, len(MODULES)]`` ranks from its validation (0 = not adapted; do not modify);
+        raises its :class:`AdapterError` if it is unknown or failed."""
+        self.usable_pages(name)
+        return self._entry(name).ranks
 
     def describe(self, names: Iterable[str] | None = None) -> dict[str, dict]:
         """Per registered adapter (all, or those of ``names``): pages, rank, targets, whether its rows are in host
@@ -361,14 +347,14 @@ class HostTier:
 
     # ---- internals: registry and reads ------------------------------------------------------------------------
 
-    def _entry(self, name: str) -> _Entry:
+    def _entry(self, name: str) -> AdapterEntry:
         with self._lock:
             entry = self._entries.get(name)
         if entry is None:
             raise AdapterError(name, "is not registered")
         return entry
 
-    def _validated_entry(self, name: str, source: AdapterSource) -> _Entry:
+    def _validated_entry(self, name: str, source: AdapterSource) -> AdapterEntry:
         ranks = source.rank_table(name, self.model_cfg, self.max_rank)
         vectors = int((ranks.astype(np.int64) @ self._widths).max(initial=0))
         pages = math.ceil(vectors / self.pool.page_rows)
@@ -376,8 +362,8 @@ class HostTier:
             raise AdapterError(name, f"needs {pages} pool pages; the pool has {self.pool.num_pages} "
                                      f"(at most {self.pool.max_pages} per adapter)")
         adapted = ranks.max(axis=0, initial=0)
-        return _Entry(name, source, pages, int(adapted.max(initial=0)),
-                      tuple(m for m, r in zip(MODULES, adapted, strict=True) if r))
+        return AdapterEntry(name, source, pages, int(adapted.max(initial=0)),
+                            tuple(m for m, r in zip(MODULES, adapted, strict=True) if r), ranks=ranks)
 
     def _tell_read(self, name: str, seconds: float) -> None:
         """Lock not held, on the reading thread: tell ``on_read`` (metrics); its failure never fails the read."""
@@ -387,7 +373,7 @@ class HostTier:
         except Exception:  # noqa: BLE001 - a metrics hook
             log.exception("adapter read listener failed")
 
-    def _read(self, entry: _Entry) -> AdapterRows:
+    def _read(self, entry: AdapterEntry) -> AdapterRows:
         """Lock not held: the adapter's rows from its source, checked against ``max_rank``."""
         rows = entry.source.load_rows(entry.name, self.model_cfg, self.max_rank, self.dtype)
         rows.name = entry.name
@@ -395,7 +381,7 @@ class HostTier:
             raise AdapterError(entry.name, f"rank {rows.max_rank} is above the maximum {self.max_rank}")
         return rows
 
-    def _fetch_locked(self, entry: _Entry) -> Future:
+    def _fetch_locked(self, entry: AdapterEntry) -> Future:
         name = entry.name
         error = self._errors.get(name)
         if error is not None:
@@ -410,13 +396,13 @@ class HostTier:
             return _done(error=AdapterError(name, "adapter store closed"))
         return load.future if load is not None else self._start_read_locked(entry)
 
-    def _start_read_locked(self, entry: _Entry) -> Future:
+    def _start_read_locked(self, entry: AdapterEntry) -> Future:
         self._counts["host_misses"] += 1
-        load = self._loads[entry.name] = _HostLoad(entry, Future())
+        load = self._loads[entry.name] = HostLoad(entry, Future())
         self._executor.submit(self._run_load, load)
         return load.future
 
-    def _run_load(self, load: _HostLoad, inline: bool = False) -> None:
+    def _run_load(self, load: HostLoad, inline: bool = False) -> None:
         """Read one adapter from its source (IO thread, or inline from ``rows_now``); never raises for bad adapters.
 
         On an IO thread, an adapter ``rows_or_read`` asked for is also staged on the device before its rows are
