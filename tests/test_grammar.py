@@ -1,0 +1,196 @@
+"""Grammar compile and per-request matchers (engine/grammar.py) on the demo's byte-level tokenizer.
+
+Random walks sample uniformly among the tokens each mask allows (fresh randomness per check) until the matcher says
+done; the decoded text must then satisfy an independent reference: ``jsonschema`` for schemas, ``re.fullmatch`` for
+regexes, membership for choices. The first mask of a choice grammar is checked token by token against the
+tokenizer's own decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from slora_jax.engine.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarSpec,
+    allowed_tokens,
+    fill_masks,
+    ll_tokenizer,
+    mask_words,
+)
+from slora_jax.tools.tokenizer import load_tokenizer, write_tokenizer
+
+VOCAB = 512
+EOS = 2
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                               "minItems": 1, "maxItems": 3},
+                                      "ok": {"type": "boolean"}},
+     "required": ["tags", "ok"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "number", "minimum": -10, "maximum": 10, "multipleOf": 0.25},
+     "minItems": 2, "maxItems": 4},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return load_tokenizer(write_tokenizer(tmp_path_factory.mktemp("tok"), VOCAB))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer, VOCAB, (EOS,))
+
+
+def _walk(matcher, rng, max_tokens: int = 300) -> list[int]:
+    """Sample uniformly among allowed tokens until the grammar is done (or EOS is drawn)."""
+    ids = []
+    while not matcher.is_done() and len(ids) < max_tokens:
+        allowed = allowed_tokens(matcher.mask(), VOCAB)
+        assert allowed.size, "a live grammar must allow some token"
+        token = int(rng.choice(allowed))
+        assert matcher.accept(token), matcher.error
+        ids.append(token)
+        if token == EOS:
+            break
+    assert matcher.is_done(), f"not done after {max_tokens} tokens"
+    return ids
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["object", "enum-array", "numbers"])
+def test_random_walks_through_a_schema_validate(compiler, tokenizer, schema):
+    rng = np.random.default_rng()
+    for _ in range(20):
+        ids = _walk(compiler.compile(GrammarSpec("json_schema", schema)), rng)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_regex_and_choice_walks_match(compiler, tokenizer):
+    rng = np.random.default_rng()
+    pattern = r"(yes|no)-[0-9]{2,4}"
+    choices = ["apple", "banana pie", "cherry"]
+    for _ in range(20):
+        text = tokenizer.decode(_walk(compiler.compile(GrammarSpec("regex", pattern)), rng), skip_special_tokens=True)
+        assert re.fullmatch(pattern, text), text
+        text = tokenizer.decode(_walk(compiler.compile(GrammarSpec("choice", choices)), rng), skip_special_tokens=True)
+        assert text in choices
+
+
+def test_json_object_walk_is_an_object_or_a_valid_prefix(compiler, tokenizer):
+    rng = np.random.default_rng()
+    for _ in range(10):
+        m = compiler.compile(GrammarSpec("json_object"))
+        ids = []
+        while not m.is_done() and len(ids) < 60:
+            token = int(rng.choice(allowed_tokens(m.mask(), VOCAB)))
+            assert m.accept(token)
+            ids.append(token)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        assert text.startswith("{")
+        if m.is_done():
+            assert isinstance(json.loads(text), dict)
+
+
+def test_first_choice_mask_is_every_token_that_starts_a_choice(compiler, tokenizer):
+    choices = ["apple", "banana pie", "cherry"]
+    mask = compiler.compile(GrammarSpec("choice", choices)).mask()
+    want = [t for t in range(VOCAB) if t not in tokenizer.all_special_ids
+            and (piece := tokenizer.decode([t])) and any(c.startswith(piece) for c in choices)]
+    assert allowed_tokens(mask, VOCAB).tolist() == want
+
+
+def test_eos_only_where_the_grammar_accepts(compiler, tokenizer):
+    m = compiler.compile(GrammarSpec("regex", "a+"))
+    assert EOS not in allowed_tokens(m.mask(), VOCAB)  # nothing matched yet
+    a = tokenizer.encode("a", add_special_tokens=False)
+    assert m.catch_up(a) and m.is_accepting() and not m.is_done()
+    assert EOS in allowed_tokens(m.mask(), VOCAB)
+    assert m.accept(EOS) and m.is_done()
+    m = compiler.compile(GrammarSpec("regex", "ab"))
+    assert m.catch_up(tokenizer.encode("ab", add_special_tokens=False)) and m.is_done()  # nothing can follow
+
+
+def test_catch_up_accepts_each_token_once(compiler, tokenizer):
+    ids = tokenizer.encode('{"name":"x","age":7}', add_special_tokens=False)
+    m = compiler.compile(GrammarSpec("json_schema", SCHEMAS[0]))
+    assert m.catch_up(ids[:3]) and m.catch_up(ids[:3]) and m.accepted == 3
+    assert m.catch_up(ids) and m.accepted == len(ids) and m.is_done()
+
+
+def test_a_token_outside_the_grammar_breaks_the_matcher(compiler, tokenizer):
+    m = compiler.compile(GrammarSpec("regex", "[0-9]+"))
+    assert not m.accept(tokenizer.encode("x", add_special_tokens=False)[0])
+    assert m.error and not m.is_done() and not m.catch_up([5, 6])
+    assert allowed_tokens(m.mask(), VOCAB).tolist() == [EOS]  # a broken row can only end
+
+
+@pytest.mark.parametrize("spec, reason", [
+    (GrammarSpec("regex", "(("), "unclosed group"),
+    (GrammarSpec("json_schema", {"type": "objectx"}), "objectx"),
+    (GrammarSpec("json_schema", '{"type": '), "not valid JSON"),
+    (GrammarSpec("json_schema", [1, 2]), "JSON object"),
+    (GrammarSpec("json_schema", {"type": "integer", "minimum": "a"}), "minimum"),
+    (GrammarSpec("choice", []), "non-empty list"),
+    (GrammarSpec("choice", ["a", 3]), "non-empty list"),
+    (GrammarSpec("grammar", "start: foo"), "foo"),
+])
+def test_bad_grammars_raise_with_the_reason(compiler, spec, reason):
+    with pytest.raises(GrammarError, match=reason):
+        compiler.compile(spec)
+
+
+def test_no_tokenizer_is_a_clear_error():
+    with pytest.raises(GrammarError, match="tokenizer"):
+        GrammarCompiler(None, VOCAB, EOS).compile(GrammarSpec("regex", "a"))
+
+
+def test_masks_cover_the_model_vocabulary(tokenizer):
+    """A model vocabulary wider than the tokenizer's (padded embeddings): tokens past the tokenizer never allowed."""
+    wide = GrammarCompiler(tokenizer, 600, (EOS,)).compile(GrammarSpec("regex", ".*"))
+    mask = wide.mask()
+    assert mask.shape == (mask_words(600),) and mask.dtype == np.int32
+    allowed = allowed_tokens(mask, 600)
+    assert allowed.max() < VOCAB and EOS in allowed
+
+
+def test_fill_mask_checks_its_buffer(compiler):
+    m = compiler.compile(GrammarSpec("regex", "a"), first_mask=False)
+    with pytest.raises(ValueError, match="int32"):
+        m.fill_mask(np.zeros(mask_words(VOCAB), np.int64))
+    with pytest.raises(ValueError, match="int32"):
+        m.fill_mask(np.zeros(mask_words(VOCAB) + 1, np.int32))
+
+
+def test_parallel_masks_equal_serial_ones(compiler):
+    rng = np.random.default_rng()
+    specs = [GrammarSpec("json_schema", s) for s in SCHEMAS] * 3
+    serial, parallel = [], []
+    for spec in specs:  # advance each a few random tokens, and a twin by the same tokens
+        m, ids = compiler.compile(spec), []
+        for _ in range(int(rng.integers(0, 6))):
+            if not m.is_done():
+                ids.append(int(rng.choice(allowed_tokens(m.mask(), VOCAB))))
+                m.accept(ids[-1])
+        twin = compiler.compile(spec, first_mask=False)
+        assert twin.catch_up(ids)
+        serial.append(m)
+        parallel.append(twin)
+    fill_masks(parallel)
+    for a, b in zip(serial, parallel, strict=True):
+        np.testing.assert_array_equal(a.mask(), b.mask())
+
+
+def test_llguidance_tokenizer_is_cached_per_tokenizer(tokenizer):
+    assert ll_tokenizer(tokenizer, VOCAB, (EOS,)) is ll_tokenizer(tokenizer, VOCAB, (EOS,))
+    assert ll_tokenizer(tokenizer, 600, (EOS,)) is not ll_tokenizer(tokenizer, VOCAB, (EOS,))
