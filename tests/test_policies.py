@@ -227,6 +227,45 @@ def test_vtc_gives_an_idle_tenant_no_banked_credit():
     assert len(a_meanwhile) >= 20, len(a_meanwhile)
 
 
+def _light_tenant_trace(rng, with_heavy: bool) -> list[Request]:
+    """A light tenant at 2 req/s; with ``with_heavy``, a heavy one at ~5x what the simulated device serves, which
+    keeps the batch full of its requests."""
+    trace = []
+    for tenant, rate in (("light", 2.0),) + ((("heavy", 150.0),) if with_heavy else ()):
+        t = 0.0
+        while t < 20.0:
+            t += rng.exponential(1 / rate)
+            trace.append(Request(t, int(rng.integers(8, 128)), int(rng.integers(8, 64)), tenant=tenant))
+    return sorted(trace, key=lambda r: r.arrival)
+
+
+def _mean_light_ttft(seqs) -> float:
+    light = [s.first_token_time - s.arrival_time for s in seqs if s.tenant == "light" and s.first_token_time]
+    assert len(light) >= 20, len(light)
+    return float(np.mean(light))
+
+
+def test_vtc_reserved_slots_keep_a_light_tenant_near_its_latency_alone():
+    rng = np.random.default_rng()
+    ecfg = base_cfg(scheduling_policy="vtc", max_batch_size=16)
+    alone = _mean_light_ttft(simulate(ecfg, _light_tenant_trace(rng, with_heavy=False))[0])
+    shared_trace = _light_tenant_trace(rng, with_heavy=True)
+    reserved = _mean_light_ttft(simulate(ecfg, shared_trace, until=20.0)[0])
+    no_reserve = _mean_light_ttft(simulate(dataclasses.replace(ecfg, vtc_reserved_slots=0), shared_trace,
+                                           until=20.0)[0])
+    # without the reserve, the light request waits for a heavy one to finish (the batch is full); with it, only for
+    # the step in flight and its own prefill
+    assert reserved <= 2 * alone, (reserved, alone)
+    assert no_reserve > 1.3 * reserved, (no_reserve, reserved)
+
+
+def test_vtc_tenant_alone_keeps_every_slot():
+    ecfg = base_cfg(scheduling_policy="vtc", max_batch_size=8)
+    trace = [Request(0.0, 16, 400, tenant="only") for _ in range(20)]
+    _, _, sched, _ = simulate(ecfg, trace, until=0.2)
+    assert len(sched.running) == 8
+
+
 def test_adapter_aware_loads_fewer_adapters_and_bounds_overtaking():
     rng = np.random.default_rng()
     names = [f"ad-{i}" for i in range(40)]

@@ -58,6 +58,7 @@ class EngineConfig:
     early_abort: bool = False  # end requests that can no longer meet their first-token deadline (never serve late)
     vtc_input_weight: float = 1.0  # "vtc": service counted per prompt token
     vtc_output_weight: float = 2.0  # "vtc": service counted per generated token
+    vtc_reserved_slots: int | None = None  # "vtc": last batch slots kept for tenants below an equal share (None: 1/32)
     adapter_lookahead: int = 16  # "adapter-aware": waiting requests searched for a resident adapter
     adapter_max_bypass: int = 32  # "adapter-aware": younger admissions a request may be overtaken by
     prefix_cache: bool = False  # share full KV pages of prompts with the same adapter and token prefix

@@ -13,6 +13,11 @@ does not fit, so an order never lets a large request be skipped for ever by smal
   least counter among the active ones, so idling banks no credit. Bound, for two tenants both backlogged: the
   difference of their weighted service stays within ``2 * U`` where U is the weighted cost of the largest request
   (``input_weight * max_model_len + output_weight * max_model_len``) plus one prefill batch of the other tenant.
+  Order alone cannot help a light tenant once a heavy tenant's backlog fills the batch: its request would wait for a
+  running one to finish (~40 ms at batch 128 on the H200). So the last ``vtc_reserved_slots`` batch slots go only to
+  tenants holding less than an equal share of the batch (``max_batch_size / tenants``, counting tenants with requests
+  in the engine or seen in the last ``RESERVE_MEMORY_S``, so a light tenant between two requests finds its slot
+  still free); a tenant alone keeps every slot.
 * ``adapter-aware``: within the first ``adapter_lookahead`` waiting requests, those whose adapter is already in the
   pool (or that need none) go first, saving cold loads; a request overtaken by ``adapter_max_bypass`` younger ones is
   served before any other, so none waits more than that many admissions beyond its FCFS turn.
@@ -56,6 +61,14 @@ class Policy:
 
     def on_admitted(self, batch: list[Sequence], waiting: deque[Sequence]) -> None:
         """``batch`` was admitted (taken out of ``waiting``, which holds the rest)."""
+
+    def may_take_slot(self, seq: Sequence, free_slots: int) -> bool:
+        """May ``seq`` be admitted into one of the ``free_slots`` batch slots left? False skips it this step (the
+        requests after it in ``order`` are still tried)."""
+        return True
+
+    def on_preempted(self, seq: Sequence) -> None:
+        """``seq`` went back from running to waiting."""
 
     def on_tokens(self, seq: Sequence, n: int) -> None:
         """``seq`` generated ``n`` tokens."""
@@ -107,6 +120,9 @@ class EarliestDeadlineFirst(Policy):
         return itertools.chain(likely, unlikely, (s for s in waiting if s.deadline is None))
 
 
+RESERVE_MEMORY_S = 10.0  # vtc: how long a tenant with nothing in the engine still counts for the reserved slots
+
+
 def tenant_of(seq: Sequence) -> str:
     """Whose service a request counts towards: its tenant if the caller named one, else its adapter (or base)."""
     if seq.tenant is not None:
@@ -124,6 +140,11 @@ class VirtualTokenCounter(Policy):
         self.output_weight = ctx.ecfg.vtc_output_weight
         self.counter: dict[str, float] = defaultdict(float)  # weighted service so far (lifted on return from idle)
         self.active: dict[str, int] = defaultdict(int)  # requests waiting or running, per tenant
+        self.running: dict[str, set[Sequence]] = defaultdict(set)  # admitted and not yet finished, per tenant
+        self.last_seen: dict[str, float] = {}  # when a tenant last had a request in the engine
+        batch = ctx.ecfg.max_batch_size
+        reserved = ctx.ecfg.vtc_reserved_slots
+        self.reserved_slots = max(1, batch // 32) if reserved is None else min(reserved, batch - 1)
 
     def order(self, waiting: deque[Sequence]) -> Iterator[Sequence]:
         queues: dict[str, deque[Sequence]] = defaultdict(deque)
@@ -146,15 +167,41 @@ class VirtualTokenCounter(Policy):
                 self.counter[tenant] = max(self.counter[tenant], min(others))
         self.active[tenant] += 1
 
+    def may_take_slot(self, seq: Sequence, free_slots: int) -> bool:
+        if free_slots > self.reserved_slots:
+            return True
+        recent = self.ctx.clock() - RESERVE_MEMORY_S
+        for t in [t for t, when in self.last_seen.items() if when < recent and t not in self.active]:
+            del self.last_seen[t]
+        tenants = len(self.last_seen.keys() | self.active.keys())
+        if tenants <= 1:
+            return True
+        return len(self.running.get(tenant_of(seq), ())) * tenants < self.ctx.ecfg.max_batch_size  # below a share
+
     def on_admitted(self, batch: list[Sequence], waiting: deque[Sequence]) -> None:
         for seq in batch:  # a recomputed (preempted) prompt is charged again: it is served again
-            self.counter[tenant_of(seq)] += self.input_weight * seq.num_tokens
+            tenant = tenant_of(seq)
+            self.counter[tenant] += self.input_weight * seq.num_tokens
+            self.running[tenant].add(seq)
+
+    def on_preempted(self, seq: Sequence) -> None:
+        self._stopped_running(seq)
+
+    def _stopped_running(self, seq: Sequence) -> None:
+        tenant = tenant_of(seq)
+        running = self.running.get(tenant)
+        if running is not None:
+            running.discard(seq)
+            if not running:
+                del self.running[tenant]
 
     def on_tokens(self, seq: Sequence, n: int) -> None:
         self.counter[tenant_of(seq)] += self.output_weight * n
 
     def on_finished(self, seq: Sequence) -> None:
+        self._stopped_running(seq)
         tenant = tenant_of(seq)
+        self.last_seen[tenant] = self.ctx.clock()
         self.active[tenant] -= 1
         if self.active[tenant] <= 0:
             del self.active[tenant]

@@ -66,7 +66,8 @@ class Scheduler:
         self.prefix_cache = self._make_prefix_cache(ecfg)
 
     SCHEDULING_FIELDS = ("scheduling_policy", "first_token_slo_s", "early_abort", "vtc_input_weight",
-                         "vtc_output_weight", "adapter_lookahead", "adapter_max_bypass", "prefix_cache")
+                         "vtc_output_weight", "vtc_reserved_slots", "adapter_lookahead", "adapter_max_bypass",
+                         "prefix_cache")
 
     def reconfigure(self, **changes) -> None:
         """Change admission settings (``SCHEDULING_FIELDS`` of EngineConfig) while no request is in the engine: a
@@ -206,6 +207,8 @@ class Scheduler:
             if (len(batch) >= ecfg.max_prefill_seqs or len(self.running) + len(batch) >= ecfg.max_batch_size
                     or tokens + n > ecfg.max_prefill_tokens):
                 break
+            if not self.policy.may_take_slot(seq, ecfg.max_batch_size - len(self.running) - len(batch)):
+                continue
             shared = self.prefix_cache.match(seq.adapter, seq.prompt_ids) if self.prefix_cache else []
             worst = self.worst_case_pages(seq) - len(shared)  # shared pages are counted once, by the cache
             adapter_pages = self.store.pages_needed_to_load(seq.adapter) if seq.adapter else 0
@@ -325,6 +328,7 @@ class Scheduler:
         self.free(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+        self.policy.on_preempted(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status == Status.FINISHED:

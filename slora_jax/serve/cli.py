@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--vtc-weights", type=vtc_weights, default=None, metavar="IN,OUT",
                    help="vtc: service counted per prompt token and per generated token (default "
                    f"{EngineConfig.vtc_input_weight:g},{EngineConfig.vtc_output_weight:g})")
+    q.add_argument("--vtc-reserved-slots", type=non_negative_int, default=None, metavar="N",
+                   help="vtc: the last N batch slots go only to tenants below an equal share of the batch, so a "
+                   "light tenant does not wait for a heavy tenant's request to finish (default max-batch-size/32)")
     q.add_argument("--adapter-lookahead", type=positive_int, default=None, metavar="N",
                    help="adapter-aware: waiting requests searched for one whose adapter is resident (default "
                    f"{EngineConfig.adapter_lookahead})")
@@ -156,7 +159,8 @@ def header_name(text: str) -> str:
 
 
 # flags that only one policy reads: given with another policy they do nothing, which the log says
-_POLICY_FLAGS = {"vtc_weights": "vtc", "adapter_lookahead": "adapter-aware", "adapter_max_bypass": "adapter-aware"}
+_POLICY_FLAGS = {"vtc_weights": "vtc", "vtc_reserved_slots": "vtc", "adapter_lookahead": "adapter-aware",
+                 "adapter_max_bypass": "adapter-aware"}
 
 
 def scheduling_options(args: argparse.Namespace) -> dict:
@@ -165,7 +169,7 @@ def scheduling_options(args: argparse.Namespace) -> dict:
                 early_abort=args.early_abort, prefix_cache=args.enable_prefix_caching)
     if args.vtc_weights is not None:
         opts["vtc_input_weight"], opts["vtc_output_weight"] = args.vtc_weights
-    for name in ("adapter_lookahead", "adapter_max_bypass"):
+    for name in ("vtc_reserved_slots", "adapter_lookahead", "adapter_max_bypass"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     for name, policy in _POLICY_FLAGS.items():
