@@ -21,9 +21,17 @@ from slora_jax.engine.sampling import sample as _sample
 sample = jax.jit(_sample)
 
 
-def _arrays(params, seeds, counters):
-    return SamplingArrays(**{k: jnp.asarray(v) for k, v in sampling_arrays(params, seeds, counters,
-                                                                           len(params)).items()})
+def _arrays(params, seeds, counters, vocab=1000, masks=None):
+    return SamplingArrays(**{k: jnp.asarray(v) for k, v in sampling_arrays(params, seeds, counters, len(params),
+                                                                           vocab, masks).items()})
+
+
+def _pack(allowed: np.ndarray) -> np.ndarray:
+    """bool [V] -> packed int32 words, bit j of word w = token 32 * w + j (written independently of the sampler)."""
+    words = np.zeros(-(-len(allowed) // 32), np.uint32)
+    for t in np.flatnonzero(allowed):
+        words[t // 32] |= np.uint32(1) << np.uint32(t % 32)
+    return words
 
 
 def test_greedy_rows_take_the_argmax_beside_sampled_rows():
@@ -107,7 +115,7 @@ def test_a_top_p_too_small_for_float32_is_greedy(top_p):
 @pytest.mark.parametrize("top_k", [2**31, 2**40, 2**63 - 1, 10**30])
 def test_a_top_k_beyond_int32_means_off(top_k):
     """It used to overflow the int32 sampler input and fail the whole step; it keeps every token, like top_k=0."""
-    arrays = sampling_arrays([SamplingParams(temperature=1.0, top_k=top_k).validate()], [7], [0], 1)
+    arrays = sampling_arrays([SamplingParams(temperature=1.0, top_k=top_k).validate()], [7], [0], 1, 300)
     assert arrays["top_k"].dtype == np.int32 and arrays["top_k"][0] == INT32_MAX
     logits = jnp.asarray(np.random.default_rng(1).standard_normal((1, 300)).astype(np.float32))
     off = [SamplingParams(temperature=1.0, top_k=0)]
@@ -115,3 +123,44 @@ def test_a_top_k_beyond_int32_means_off(top_k):
     a = [int(sample(logits, _arrays(off, [5], [c]))[0]) for c in range(30)]
     b = [int(sample(logits, _arrays(huge, [5], [c]))[0]) for c in range(30)]
     assert a == b and len(set(a)) > 3
+
+
+@pytest.mark.parametrize("vocab", [64, 77, 1000])
+def test_a_token_mask_keeps_every_row_inside_its_allowed_set(vocab):
+    """Greedy and sampled rows (with top-k / top-p) only ever pick allowed tokens, even when the best logits are all
+    disallowed; an unmasked row beside them keeps its usual argmax; padding rows' masks allow everything."""
+    rng = np.random.default_rng()
+    logits = rng.standard_normal((4, vocab)).astype(np.float32) * 3
+    allowed = [rng.random(vocab) < 0.2 for _ in range(3)]
+    for a in allowed:
+        a[rng.integers(vocab)] = True
+    for i, a in enumerate(allowed):  # make the best tokens of each masked row disallowed
+        logits[i, ~a] += 10
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=3),
+              SamplingParams(temperature=0.7, top_p=0.5), SamplingParams(temperature=0.0)]
+    masks = [_pack(a) for a in allowed] + [None]
+    arrays = sampling_arrays(params + [None], [1, 2, 3, 4, 0], [0] * 5, 5, vocab, masks)
+    assert (arrays["token_mask"][3:] == -1).all()  # unconstrained and padding rows
+    masked = np.where(np.stack(allowed), logits[:3], -np.inf)
+    for seed in range(25):
+        out = np.asarray(sample(jnp.asarray(logits), _arrays(params, [seed] * 4, [seed] * 4, vocab, masks)))
+        for i in range(3):
+            assert allowed[i][out[i]], (i, out[i])
+        assert out[0] == masked[0].argmax()
+        assert out[1] in set(np.argsort(-masked[1])[:3])
+        assert out[3] == logits[3].argmax()
+
+
+def test_a_mask_that_allows_nothing_leaves_the_row_unconstrained():
+    rng = np.random.default_rng()
+    logits = rng.standard_normal((1, 100)).astype(np.float32)
+    out = sample(jnp.asarray(logits), _arrays([SamplingParams(temperature=0.0)], [0], [0], 100,
+                                              [np.zeros(4, np.int32)]))
+    assert int(out[0]) == logits[0].argmax()
+
+
+@pytest.mark.parametrize("bad", [np.zeros(3, np.int32), np.zeros(4, np.int64), np.zeros(4, np.float32),
+                                 np.zeros((2, 4), np.int32)])
+def test_a_mask_of_the_wrong_shape_or_dtype_is_refused(bad):
+    with pytest.raises(ValueError, match="token mask"):
+        sampling_arrays([SamplingParams()], [0], [0], 1, 100, [bad])

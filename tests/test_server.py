@@ -223,10 +223,10 @@ def test_one_requests_bad_step_inputs_fail_only_that_request(srv, monkeypatch):
 
     real = step_runner.sampling_arrays
 
-    def fragile(params, seeds, counters, rows):
+    def fragile(params, seeds, counters, rows, *args, **kwargs):
         if any(p is not None and p.seed == BAD_SEED and c >= 2 for p, c in zip(params, counters, strict=False)):
             raise OverflowError("injected: this request's sampling row cannot be packed")
-        return real(params, seeds, counters, rows)
+        return real(params, seeds, counters, rows, *args, **kwargs)
 
     monkeypatch.setattr(step_runner, "sampling_arrays", fragile)
     tok = srv.tokenizer

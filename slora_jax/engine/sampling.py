@@ -81,13 +81,29 @@ class SamplingArrays:
     top_p: jax.Array  # float32
     seed: jax.Array  # uint32
     counter: jax.Array  # int32: tokens generated so far (so each step draws fresh randomness)
+    # int32 [B, mask_words(V)]: bit j of word w set = token 32 * w + j may be sampled (llguidance's and xgrammar's
+    # packed bitmask layout); every bit set for unconstrained and padding rows
+    token_mask: jax.Array
 
 
-def sampling_arrays(params: list[SamplingParams | None], seeds: list[int], counters: list[int],
-                    rows: int) -> dict[str, np.ndarray]:
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row's packed token mask."""
+    return -(-vocab_size // 32)
+
+
+def sampling_arrays(params: list[SamplingParams | None], seeds: list[int], counters: list[int], rows: int,
+                    vocab_size: int, masks: list[np.ndarray | None] | None = None) -> dict[str, np.ndarray]:
     """Numpy inputs for ``rows`` rows (padded); ``seeds`` are already resolved per request. Values are brought into
     what the step holds: top_k beyond int32 is off anyway (the device clamps it to the vocabulary), a top_p that
-    float32 would flush to 0 is raised to :data:`TOP_P_FLOOR` (both greedy)."""
+    float32 would flush to 0 is raised to :data:`TOP_P_FLOOR` (both greedy).
+
+    ``masks[i]`` (None: unconstrained) is row i's allowed tokens as a packed bitmask (see ``SamplingArrays``): any
+    4-byte integer dtype, ``mask_words(vocab_size)`` words; bits past the vocabulary are ignored."""
+    words = mask_words(vocab_size)
+    token_mask = np.full((rows, words), -1, np.int32)
+    for i, m in enumerate(masks or ()):
+        if m is not None:
+            token_mask[i] = _packed_mask(m, words)
     temp = np.zeros(rows, np.float32)
     top_k = np.zeros(rows, np.int32)
     top_p = np.ones(rows, np.float32)
@@ -98,11 +114,26 @@ def sampling_arrays(params: list[SamplingParams | None], seeds: list[int], count
             continue
         temp[i], top_k[i], top_p[i] = p.temperature, min(max(p.top_k, 0), INT32_MAX), max(p.top_p, TOP_P_FLOOR)
         seed[i], counter[i] = (seeds[i] ^ (seeds[i] >> 32)) & 0xFFFFFFFF, counters[i]  # 64-bit seeds: fold the top
-    return dict(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, counter=counter)
+    return dict(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, counter=counter, token_mask=token_mask)
+
+
+def _packed_mask(mask: np.ndarray, words: int) -> np.ndarray:
+    mask = np.asarray(mask)
+    if mask.shape != (words,) or mask.dtype.kind not in "iu" or mask.dtype.itemsize != 4:
+        raise ValueError(f"a token mask must be {words} 32-bit integer words, got {mask.dtype} {mask.shape}")
+    return mask.view(np.int32)
+
+
+def allowed_tokens(token_mask: jax.Array, vocab_size: int) -> jax.Array:
+    """bool [B, V] from the packed mask [B, W]."""
+    words = jax.lax.bitcast_convert_type(token_mask, jnp.uint32)
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+    return bits.reshape(token_mask.shape[0], -1)[:, :vocab_size].astype(bool)
 
 
 def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
-    """Token ids [B] from logits [B, V]: greedy where temperature == 0, else top-k/top-p filtered Gumbel-max.
+    """Token ids [B] from logits [B, V]: greedy where temperature == 0, else top-k/top-p filtered Gumbel-max, both
+    among the tokens the row's ``token_mask`` allows (a row that allows none is left unconstrained).
 
     No ``lax.cond``: on GPU a conditional copies its predicate to the host and waits for it, which would stall the
     host inside every step's dispatch until the device reached the sampler (the host/device overlap lost). Rows
@@ -110,6 +141,9 @@ def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """
     logits = logits.astype(jnp.float32)
     logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)  # a NaN would win the argmax and poison the sort
+    allowed = allowed_tokens(s.token_mask, logits.shape[-1])
+    allowed = allowed | ~jnp.any(allowed, axis=-1, keepdims=True)
+    logits = jnp.where(allowed, logits, -jnp.inf)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     masked = jnp.where(scaled >= _filter_threshold(scaled, s), scaled, -jnp.inf)

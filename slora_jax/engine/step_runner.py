@@ -36,6 +36,7 @@ class StepItem:
     seed: int
     counter: int  # tokens generated so far (fresh randomness per step)
     token_src: int = -1  # decode: take the input token from row ``token_src`` of the previous step's output
+    token_mask: np.ndarray | None = None  # tokens this step may sample (packed bits, see SamplingArrays); None: all
 
 
 # Decode steps compile one variant per set of projections whose LoRA kernels run; a step runs the smallest variant
@@ -150,7 +151,8 @@ class StepRunner:
     def _finish(self, a: dict, items: list[StepItem], n_seqs: int) -> tuple[StepBatch, SamplingArrays]:
         pad = [None] * (n_seqs - len(items))
         s = sampling_arrays([it.sampling for it in items] + pad, [it.seed for it in items] + [0] * len(pad),
-                            [it.counter for it in items] + [0] * len(pad), n_seqs)
+                            [it.counter for it in items] + [0] * len(pad), n_seqs, self.cfg.vocab_size,
+                            masks=[it.token_mask for it in items])
         return StepBatch(**a), SamplingArrays(**s)
 
     # ---------------------------------------------------------------- running
