@@ -44,7 +44,7 @@ class EngineConfig:
     # largest adapters); 0 = off, else at least max_prefill_seqs (the head the engine prefetches for), or the head's
     # stagings push each other out and its adapters are copied at admission, on the engine thread
     max_staged_adapters: int = 32
-    pool_bytes: int | None = None  # memory budget of the unified pool (neither this nor num_pages: auto_pool_bytes)
+    pool_bytes: int | None = None  # memory budget of the unified pool, per device (neither this nor num_pages: auto)
     num_pages: int | None = None  # or an explicit page count (tests)
     dtype: str = "bfloat16"
     backend: str = "pallas"  # a name from pallas_kernels.backends.backend_names()
@@ -67,6 +67,11 @@ class EngineConfig:
     decode_lora_variants: bool = True  # compile decode steps without MLP / without any LoRA kernels (3x buckets)
     lora_block_t: int | None = None  # kernel tiles; None: the backend's default for the platform
     attn_block_q: int | None = None
+    # tensor parallelism over this host's devices (model/sharding.py): heads, KV heads, MLP columns and the pool split
+    # N ways, 2 all-reduces per layer; fully_sharded_loras also splits every adapter N ways (up to 4 small all-reduces
+    # more per layer) instead of keeping A (q,k,v,gate,up) and B (o,down) whole on every device
+    tensor_parallel_size: int = 1
+    fully_sharded_loras: bool = False
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -99,7 +104,7 @@ class EngineConfig:
 
     def validate(self) -> EngineConfig:
         for name in ("max_batch_size", "max_prefill_tokens", "max_prefill_seqs", "max_model_len", "page_size",
-                     "max_lora_rank", "max_loras"):
+                     "max_lora_rank", "max_loras", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_staged_adapters != 0 and self.max_staged_adapters < self.max_prefill_seqs:

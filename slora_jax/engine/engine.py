@@ -25,8 +25,9 @@ from pallas_kernels.backends import get_backend
 
 from ..lora.peft import AdapterError
 from ..model.config import ModelConfig
-from ..model.loader import load_params
 from ..model.params import stack_layer_params, unstack_layer_params
+from ..model.params_checkpoint import load_serving_params
+from ..model.sharding import TensorParallel
 from . import compile_counter
 from .adapter_store import AdapterStore
 from .config import EngineConfig, resolve_layer_loop
@@ -76,19 +77,20 @@ class Engine:
             params = dict(params, layers=unstack_layer_params(params["layers"]))
         elif self.layer_loop == "scan" and unrolled:
             params = dict(params, layers=stack_layer_params(params["layers"]))
-        self.params = params
+        self.tp = TensorParallel.maybe(cfg, ecfg.tensor_parallel_size, ecfg.fully_sharded_loras)  # model/sharding.py
+        self.params = params if self.tp is None else self.tp.place_params(params)
         get_backend(ecfg.backend)  # unknown names fail here, listing the known ones
         self.tokenizer = tokenizer
         dtype = jnp.dtype(ecfg.dtype)
         ecfg = self.ecfg = ecfg.with_pool_size(jax.devices()[0].memory_stats())  # the weights are on the device now
         self.pool = PagedPool(cfg, page_size=ecfg.page_size, max_slots=ecfg.max_loras, max_rank=ecfg.max_lora_rank,
                               num_pages=ecfg.num_pages, memory_bytes=None if ecfg.num_pages else ecfg.pool_bytes,
-                              dtype=dtype)
+                              dtype=dtype, tp=self.tp)
         self.store = AdapterStore(cfg, self.pool, host_budget_bytes=ecfg.host_budget_bytes,
                                   max_rank=ecfg.max_lora_rank, dtype=np.dtype(dtype),
                                   max_host_adapters=ecfg.max_cpu_loras, max_staged=ecfg.max_staged_adapters)
         self.scheduler = Scheduler(ecfg, self.pool, self.store)
-        self.runner = StepRunner(cfg, ecfg, interpret=interpret)
+        self.runner = StepRunner(cfg, ecfg, interpret=interpret, tp=self.tp)
         self.requests: dict[str, Sequence] = {}
         self.warm_compiles: int | None = None
         self.num_steps = 0
@@ -101,9 +103,10 @@ class Engine:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, ecfg: EngineConfig, adapters: dict[str, str | Path] | None = None,
                        adapter_dir: str | Path | None = None, tokenizer=None, interpret: bool | None = None,
-                       progress: bool = True) -> Engine:
-        stacked = resolve_layer_loop(ecfg.layer_loop, jax.default_backend()) == "scan"
-        cfg, params = load_params(model_dir, dtype=jnp.dtype(ecfg.dtype), progress=progress, stacked=stacked)
+                       progress: bool = True, converted_params_dir: str | Path | None = None) -> Engine:
+        stacked = resolve_layer_loop(ecfg.layer_loop, jax.default_backend()) == "scan"  # converted: orbax cache dir
+        cfg, params = load_serving_params(model_dir, jnp.dtype(ecfg.dtype), tp=ecfg.tensor_parallel_size,
+                                          stacked=stacked, progress=progress, converted_dir=converted_params_dir)
         engine = cls(cfg, params, ecfg, tokenizer=tokenizer, interpret=interpret)
         if adapter_dir is not None:
             engine.store.register_dir(adapter_dir)

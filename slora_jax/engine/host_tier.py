@@ -67,7 +67,7 @@ class HostTier:
         self.host_budget_bytes = int(host_budget_bytes)
         self.max_host_adapters = max_host_adapters
         self.max_staged = int(max_staged)
-        self._widths = np.array([sum(model_cfg.module_dims(m)) // model_cfg.head_dim for m in MODULES], np.int64)
+        self._widths = pool.vectors_per_rank  # pool vectors per unit of rank, per module (per device under TP)
 
         self._lock = threading.Lock()  # guards everything below
         self._entries: dict[str, AdapterEntry] = {}
@@ -376,6 +376,7 @@ class HostTier:
     def _read(self, entry: AdapterEntry) -> AdapterRows:
         """Lock not held: the adapter's rows from its source, checked against ``max_rank``."""
         rows = entry.source.load_rows(entry.name, self.model_cfg, self.max_rank, self.dtype)
+        rows = self.pool.shard_rows(rows)  # each device's share side by side when the pool is sharded
         rows.name = entry.name
         if rows.max_rank > self.max_rank:
             raise AdapterError(entry.name, f"rank {rows.max_rank} is above the maximum {self.max_rank}")

@@ -4,6 +4,10 @@ Layout and addressing are fixed by docs/DESIGN.md: ``array`` is ``[L, num_pages,
 ``page_rows = 2 * n_kv_heads * page_size`` and ``V = head_dim``; a page is either a KV page or an adapter page, the
 same page id in every layer. ``table`` is the device ``AdapterTable`` the LoRA kernels read through.
 
+With tensor parallelism (``tp``) the array is ``[L, num_pages, page_rows, N * V]`` sharded on its last axis: each
+device holds its n_kv / N KV heads (``page_rows = 2 * n_kv / N * page_size``) and its share of every adapter, under
+the same page ids, slots, ranks and offsets on every device (``adapter_shards.py``); the table is replicated.
+
 Both ``array`` and ``table`` are replaced (their old buffers donated) by every load and unload, and the engine
 replaces ``array`` after each step: always read ``pool.array`` / ``pool.table`` afresh, never keep an old reference.
 """
@@ -19,12 +23,15 @@ from collections.abc import Hashable, Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.lora_common import AdapterTable
 from pallas_kernels.lowering import next_pow2
+from slora_jax.engine.adapter_shards import AdapterShards
 from slora_jax.engine.page_allocator import ADAPTER, KV, ForeignPage, OutOfPages, PageAllocator, owner_kind
 from slora_jax.lora.pool_rows import AdapterRows
 from slora_jax.model.config import MODULES, ModelConfig
+from slora_jax.model.sharding import POOL_SPEC, TensorParallel
 
 __all__ = ["OutOfPages", "OutOfSlots", "PagedPool", "ResidentAdapter", "StagedPages", "max_adapter_vectors"]
 
@@ -56,10 +63,12 @@ class StagedPages:
     vectors: jax.Array
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_pages(pool: jax.Array, page_ids: jax.Array, page_vectors: jax.Array) -> jax.Array:
+def _scatter_pages(pool: jax.Array, page_ids: jax.Array, page_vectors: jax.Array) -> jax.Array:
     """Scatter whole pages into every layer in place; page id ``num_pages`` marks bucket padding and is dropped."""
     return pool.at[:, page_ids].set(page_vectors.astype(pool.dtype), mode="drop")
+
+
+_write_pages = jax.jit(_scatter_pages, donate_argnums=0)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -83,8 +92,10 @@ def max_adapter_vectors(config: ModelConfig, max_rank: int) -> int:
 class PagedPool:
     """Owns the pool array, its page allocator and the device adapter table.
 
-    Size it with ``num_pages`` or a ``memory_bytes`` budget (exactly one). ``max_rank`` bounds the pages one adapter
-    may take (``max_pages``, the width of ``table.pages``); ``max_slots`` is how many adapters can be resident.
+    Size it with ``num_pages`` or a ``memory_bytes`` budget (exactly one; per device under ``tp``). ``max_rank``
+    bounds the pages one adapter may take (``max_pages``, the width of ``table.pages``); ``max_slots`` is how many
+    adapters can be resident. ``vec`` is the width of a pool row as adapter rows hold it (head_dim, times N under
+    ``tp``); ``page_bytes`` counts a page on every device.
     """
 
     def __init__(
@@ -97,6 +108,7 @@ class PagedPool:
         num_pages: int | None = None,
         memory_bytes: int | None = None,
         dtype=jnp.bfloat16,
+        tp: TensorParallel | None = None,
     ):
         if (num_pages is None) == (memory_bytes is None):
             raise ValueError("give exactly one of num_pages and memory_bytes")
@@ -105,14 +117,16 @@ class PagedPool:
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.num_layers = config.num_hidden_layers
-        self.vec = config.head_dim
+        self.tp, self.shards = tp, AdapterShards(config, tp)
+        n_dev = self.shards.n
+        self.vec = config.head_dim * n_dev
         self.page_size = int(page_size)
-        self.page_rows = 2 * config.num_key_value_heads * self.page_size
+        self.page_rows = 2 * config.num_key_value_heads // n_dev * self.page_size
         self.page_bytes = self.num_layers * self.page_rows * self.vec * self.dtype.itemsize
         # One token's K and V in every layer: what a live KV token costs.
         self.kv_token_bytes = self.page_bytes // self.page_size
         if num_pages is None:
-            num_pages = int(memory_bytes) // self.page_bytes
+            num_pages = int(memory_bytes) // (self.page_bytes // n_dev)
         if num_pages < 1:
             raise ValueError(f"pool needs at least one page ({self.page_bytes} bytes); got {num_pages} pages")
         self.num_pages = int(num_pages)
@@ -120,18 +134,25 @@ class PagedPool:
 
         self.max_slots = int(max_slots)
         self.max_rank = int(max_rank)
-        self.max_pages = math.ceil(max_adapter_vectors(config, self.max_rank) / self.page_rows)
+        self.max_pages = math.ceil(self.shards.max_vectors(self.max_rank) / self.page_rows)
 
         self.allocator = PageAllocator(self.num_pages)
-        self.array: jax.Array = jnp.zeros((self.num_layers, self.num_pages, self.page_rows, self.vec), self.dtype)
+        shape = (self.num_layers, self.num_pages, self.page_rows, self.vec)
         n_layers, n_mod, n_slots = self.num_layers, len(MODULES), self.max_slots
-        self.table: AdapterTable = AdapterTable(
-            pages=jnp.zeros((n_slots, self.max_pages), jnp.int32),
-            rank=jnp.zeros((n_slots, n_layers, n_mod), jnp.int32),
-            a_off=jnp.zeros((n_slots, n_layers, n_mod), jnp.int32),
-            b_off=jnp.zeros((n_slots, n_layers, n_mod), jnp.int32),
-            scale=jnp.zeros((n_slots, n_layers, n_mod), jnp.float32),
-        )
+        table_shapes = AdapterTable(pages=((n_slots, self.max_pages), jnp.int32),
+                                    rank=((n_slots, n_layers, n_mod), jnp.int32),
+                                    a_off=((n_slots, n_layers, n_mod), jnp.int32),
+                                    b_off=((n_slots, n_layers, n_mod), jnp.int32),
+                                    scale=((n_slots, n_layers, n_mod), jnp.float32))
+        if tp is None:
+            self.array: jax.Array = jnp.zeros(shape, self.dtype)
+            self.table: AdapterTable = AdapterTable(*(jnp.zeros(s, d) for s, d in table_shapes))
+            self._write_pages = _write_pages
+        else:  # pages sharded by their vector lanes, the table replicated, page scatters local to each device
+            self.array = tp.zeros(shape, self.dtype, POOL_SPEC)
+            self.table = AdapterTable(*(tp.zeros(s, d) for s, d in table_shapes))
+            self._write_pages = jax.jit(tp.local_fn(_scatter_pages, (POOL_SPEC, P(), POOL_SPEC), POOL_SPEC),
+                                        donate_argnums=0)
         # host mirror: which projections each slot's adapter targets (any layer), so a step can skip the LoRA kernels
         # of projections no adapter in its batch targets
         self.slot_modules = np.zeros((n_slots, n_mod), bool)
@@ -140,6 +161,16 @@ class PagedPool:
         self._free_slots: list[int] = list(range(self.max_slots))  # a heap: lowest slot first
 
     # ---- adapters -------------------------------------------------------------------------------------------
+
+    @property
+    def vectors_per_rank(self) -> np.ndarray:
+        """int64[len(MODULES)]: pool vectors one unit of rank of each module costs (per device under ``tp``)."""
+        return self.shards.vectors_per_rank
+
+    def shard_rows(self, rows: AdapterRows) -> AdapterRows:
+        """Rows of the whole model (``to_pool_rows``) in this pool's layout: each device's share side by side
+        under ``tp`` (``AdapterShards.shard_rows``), the same rows without. Thread-safe."""
+        return self.shards.shard_rows(rows)
 
     def stage(self, rows: AdapterRows, *, block: bool = True) -> StagedPages:
         """Copy ``rows`` to the device, padded to its page bucket, ready for :meth:`load_adapter`.
@@ -151,7 +182,8 @@ class PagedPool:
         bucket = self.page_bucket(n_pages)
         host = np.zeros((self.num_layers, bucket * self.page_rows, self.vec), self.dtype)
         host[:, : rows.num_vectors] = rows.vectors
-        vectors = jax.device_put(host.reshape(self.num_layers, bucket, self.page_rows, self.vec))
+        vectors = jax.device_put(host.reshape(self.num_layers, bucket, self.page_rows, self.vec),
+                                 None if self.tp is None else self.tp.pool_sharding)  # each device its lanes
         if block:
             vectors.block_until_ready()
         return StagedPages(bucket, n_pages, vectors)
@@ -191,7 +223,7 @@ class PagedPool:
             if n_pages:
                 if staged is None:
                     staged = self.stage(rows, block=False)
-                self.array = _write_pages(self.array, self._page_ids(pages, staged.bucket), staged.vectors)
+                self.array = self._write_pages(self.array, self._page_ids(pages, staged.bucket), staged.vectors)
             slot = self._free_slots[0]
             page_row = np.zeros(self.max_pages, np.int32)
             page_row[:n_pages] = pages

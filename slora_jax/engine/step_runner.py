@@ -20,6 +20,7 @@ from pallas_kernels.prefill_attention import max_prefill_tiles, prefill_tile_map
 
 from ..model.config import ATTN_MODULES, MODULES, ModelConfig
 from ..model.paged import PagedSpec, StepBatch, paged_forward
+from ..model.sharding import TensorParallel, step_parts
 from .config import EngineConfig
 from .sampling import SamplingArrays, SamplingParams, sample, sampling_arrays
 
@@ -72,23 +73,26 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 
 class StepRunner:
-    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, interpret: bool | None = None):
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, interpret: bool | None = None,
+                 tp: TensorParallel | None = None):
         ecfg = ecfg.with_platform_defaults(jax.default_backend())
         self.cfg, self.ecfg = cfg, ecfg
+        # tensor parallelism: every device runs the step on its local config inside one shard_map (model/sharding.py)
+        step_cfg, tp_fields, wrap = step_parts(tp, cfg)
         spec = dict(backend=ecfg.backend, page_size=ecfg.page_size, max_rank=ecfg.max_lora_rank,
-                    lora_block_t=ecfg.lora_block_t, attn_block_q=ecfg.attn_block_q, interpret=interpret)
+                    lora_block_t=ecfg.lora_block_t, attn_block_q=ecfg.attn_block_q, interpret=interpret, **tp_fields)
         self.prefill_spec = PagedSpec(mode="prefill", **spec)
         self.decode_spec = PagedSpec(mode="decode", **spec)
         # every step returns this many token ids (a decode bucket may exceed max_batch_size)
         self.out_rows = max(max(ecfg.decode_buckets), ecfg.max_prefill_seqs)
         # fn(layout, params, pool, table, packed, prev_tokens): layout static, pool donated
         jit = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-        self._prefill = jit(functools.partial(_step, cfg, self.prefill_spec, self.out_rows))
+        self._prefill = jit(wrap(functools.partial(_step, step_cfg, self.prefill_spec, self.out_rows)))
         variants = LORA_VARIANTS if ecfg.decode_lora_variants else {"all": LORA_VARIANTS["all"]}
-        self._decode = {name: jit(functools.partial(_step, cfg, dataclasses.replace(self.decode_spec,
-                                                                                   lora_modules=mods), self.out_rows))
+        self._decode = {name: jit(wrap(functools.partial(_step, step_cfg, dataclasses.replace(
+                            self.decode_spec, lora_modules=mods), self.out_rows)))
                         for name, mods in variants.items()}
-        self._no_prev = jnp.zeros(self.out_rows, jnp.int32)
+        self._no_prev = jnp.zeros(self.out_rows, jnp.int32, device=None if tp is None else tp.replicated)
 
     # ---------------------------------------------------------------- batch building (numpy)
     def _base_arrays(self, n_rows: int, n_seqs: int) -> dict[str, np.ndarray]:

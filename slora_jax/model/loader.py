@@ -14,7 +14,8 @@ from .config import MODULES, ModelConfig, module_key
 from .params import stack_layer_params
 
 
-def _shard_files(model_dir: Path) -> list[Path]:
+def shard_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files (one, or the shards its index names)."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         with open(index) as f:
@@ -29,7 +30,7 @@ def _shard_files(model_dir: Path) -> list[Path]:
 def read_hf_tensors(model_dir: str | Path, progress: bool = True) -> dict[str, np.ndarray]:
     """Every tensor of the checkpoint as float32 numpy, keyed by its HF name."""
     tensors: dict[str, np.ndarray] = {}
-    files = _shard_files(Path(model_dir))
+    files = shard_files(Path(model_dir))
     for path in files:
         with safe_open(str(path), framework="numpy") as f:
             keys = list(f.keys())

@@ -19,6 +19,7 @@ from pallas_kernels.lora_sgmv import SegmentTiles
 
 from .config import MODULES, ModelConfig
 from .llama import forward
+from .tp_lora import tp_lora
 
 
 @jax.tree_util.register_dataclass
@@ -55,6 +56,10 @@ class PagedSpec:
     # projections (indices into MODULES) whose LoRA kernels run; a group none of whose modules is listed is skipped
     # (a batch whose adapters target only q,k,v,o launches no MLP LoRA kernels)
     lora_modules: tuple[int, ...] = tuple(range(len(MODULES)))
+    # tensor parallelism (slora_jax.model.sharding): the step runs on one of tp_size devices inside a shard_map, on
+    # the local config; tp_lora adds the all-reduces and the fully-sharded adapter partition
+    tp_size: int = 1
+    fully_sharded_loras: bool = False
 
 
 @dataclasses.dataclass
@@ -66,20 +71,31 @@ class PagedOps:
     kernels: KernelBackend
 
     def lora(self, x, y, modules, layer, pool):
+        if self.spec.tp_size > 1:
+            return tp_lora(self, x, y, modules, layer, pool)
         if not any(m in self.spec.lora_modules for m in modules):
             return y
-        d_outs = tuple(self.cfg.module_dims(MODULES[m])[1] for m in modules)
+        return self.expand(self.shrink(x, modules, layer, pool), y, modules, layer, pool)
+
+    def shrink(self, x, modules, layer, pool):
+        """Each row's ``x @ A`` for ``modules``: float32 [T, len(modules), max_rank]."""
         kernels, interpret, rank = self.kernels, self.spec.interpret, self.spec.max_rank
         if self.spec.mode == "decode":
-            slots = self.batch.row_slot
-            y_small = kernels.bgmv_shrink(x, pool, layer, slots, self.table, modules, rank, interpret=interpret)
-            return kernels.bgmv_expand(y_small, y, pool, layer, slots, self.table, modules, d_outs,
+            return kernels.bgmv_shrink(x, pool, layer, self.batch.row_slot, self.table, modules, rank,
                                        interpret=interpret)
-        tiles = SegmentTiles(*self.batch.lora_tiles)
-        block_t = self.spec.lora_block_t
-        y_small = kernels.sgmv_shrink(x, pool, layer, tiles, self.table, modules, rank, block_t, interpret=interpret)
-        return kernels.sgmv_expand(y_small, y, pool, layer, tiles, self.table, modules, d_outs, block_t,
-                                   interpret=interpret)
+        return kernels.sgmv_shrink(x, pool, layer, SegmentTiles(*self.batch.lora_tiles), self.table, modules, rank,
+                                   self.spec.lora_block_t, interpret=interpret)
+
+    def expand(self, y_small, y, modules, layer, pool, d_outs=None):
+        """``y`` plus each row's ``scale * y_small @ B``; ``d_outs`` (static) defaults to the config's widths."""
+        if d_outs is None:
+            d_outs = tuple(self.cfg.module_dims(MODULES[m])[1] for m in modules)
+        kernels, interpret = self.kernels, self.spec.interpret
+        if self.spec.mode == "decode":
+            return kernels.bgmv_expand(y_small, y, pool, layer, self.batch.row_slot, self.table, modules, d_outs,
+                                       interpret=interpret)
+        return kernels.sgmv_expand(y_small, y, pool, layer, SegmentTiles(*self.batch.lora_tiles), self.table,
+                                   modules, d_outs, self.spec.lora_block_t, interpret=interpret)
 
     def attend(self, q, k, v, layer, pool):
         cfg, spec, b, kernels = self.cfg, self.spec, self.batch, self.kernels
