@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory of the unified KV + adapter pool (default: 85%% of the device memory free after "
                    "the weights are loaded; 0.25 GB on CPU)")
     e.add_argument("--num-pages", type=int, default=None, help="pool size in pages instead of --pool-gb")
-    e.add_argument("--max-batch-size", type=int, default=64, help="running sequences per decode step")
+    e.add_argument("--max-batch-size", type=int, default=None,
+                   help="most running sequences per decode step (default 256 on a GPU, 64 on CPU); the pool may hold "
+                   "fewer")
     e.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens (default: the model's, at most 2048)")
     e.add_argument("--max-prefill-tokens", type=int, default=None, help="tokens per prefill step (>= max-model-len)")
@@ -271,7 +273,7 @@ def build_server(args: argparse.Namespace):
     # no --pool-gb / --num-pages: the engine sizes the pool from the memory free once the weights are loaded
     pool_bytes = None if args.num_pages else int(args.pool_gb * 2**30) if args.pool_gb else None
     ecfg = EngineConfig(
-        max_batch_size=args.max_batch_size, max_model_len=max_len,
+        max_batch_size=args.max_batch_size or (256 if on_gpu else 64), max_model_len=max_len,
         max_prefill_tokens=max(args.max_prefill_tokens or max_len, max_len), page_size=args.page_size,
         max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
         pool_bytes=pool_bytes, num_pages=args.num_pages, dtype=dtype, backend=backend, max_waiting=args.max_waiting,
@@ -313,6 +315,9 @@ def build_server(args: argparse.Namespace):
                   tokenizer=load_tokenizer(model_dir))  # its own copy: the engine thread decodes concurrently
 
 
+GPU_MEMORY_FRACTION = "0.95"  # of the card JAX may use when XLA_PYTHON_CLIENT_MEM_FRACTION is not set
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -321,6 +326,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.error(f"--api-key: {e}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # JAX takes 75% of a GPU unless told otherwise; the pool is sized from what is free after the weights, so let JAX
+    # have the card (the rest is the CUDA context and library workspaces). Read when the backend starts, not before.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
     try:
         server = build_server(args)
     except (ValueError, FileNotFoundError) as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +62,8 @@ def write_model(out: str | Path, preset: str | dict = "tiny", seed: int = 0, dty
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     hf_cfg = preset_config(preset) if isinstance(preset, str) else dict(preset)
-    hf_cfg["torch_dtype"] = np.dtype(dtype).name
+    dtype = np_dtype(dtype)
+    hf_cfg["torch_dtype"] = dtype.name
     cfg = ModelConfig.from_dict(hf_cfg)
     tensors = random_hf_tensors(cfg, seed, dtype)
     with open(out / "config.json", "w") as f:
@@ -88,11 +90,20 @@ def write_model(out: str | Path, preset: str | dict = "tiny", seed: int = 0, dty
     return out
 
 
+def np_dtype(name) -> np.dtype:
+    """numpy dtype of a name HF configs use; bfloat16 through ml_dtypes (safetensors writes it as BF16)."""
+    if str(name) == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
 def write_adapter(out: str | Path, model: ModelConfig, rank: int = 8, alpha: float | None = None,
                   targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"), seed: int = 0,
                   use_rslora: bool = False, rank_pattern: dict | None = None, alpha_pattern: dict | None = None,
                   layers_to_transform: list[int] | None = None, strength: float = 0.3,
-                  extra_config: dict | None = None) -> Path:
+                  extra_config: dict | None = None, dtype=np.float32) -> Path:
     """A random PEFT LoRA dir (B non-zero, unlike PEFT's init, so the adapter changes the output)."""
     from ..lora.peft import pattern_value  # the same pattern rules the reader uses
 
@@ -112,8 +123,8 @@ def write_adapter(out: str | Path, model: ModelConfig, rank: int = 8, alpha: flo
             d_in, d_out = model.module_dims(m)
             a = rng.standard_normal((r, d_in), dtype=np.float32) / math.sqrt(d_in)
             b = rng.standard_normal((d_out, r), dtype=np.float32) * (strength / (math.sqrt(r) * scale))
-            tensors[f"base_model.model.{key}.lora_A.weight"] = a
-            tensors[f"base_model.model.{key}.lora_B.weight"] = b
+            tensors[f"base_model.model.{key}.lora_A.weight"] = a.astype(np_dtype(dtype))
+            tensors[f"base_model.model.{key}.lora_B.weight"] = b.astype(np_dtype(dtype))
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": model.name, "r": rank,
         "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": list(targets), "bias": "none",
@@ -129,11 +140,23 @@ def write_adapter(out: str | Path, model: ModelConfig, rank: int = 8, alpha: flo
 
 
 def write_adapters(out_dir: str | Path, model: ModelConfig, n: int, ranks: list[int], seed: int = 0,
-                   targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> list[Path]:
-    """``n`` adapters named adapter-0000.. with ranks taken round-robin from ``ranks``."""
+                   targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"), dtype=np.float32,
+                   distinct: int | None = None) -> list[Path]:
+    """``n`` adapters named adapter-0000.. with ranks taken round-robin from ``ranks``. With ``distinct``, only that
+    many get their own weights and the rest hard-link the same files (2000 rank-8 adapters of a 7B model would take
+    34 GB of disk; the server still reads each dir as its own adapter)."""
     out_dir = Path(out_dir)
-    return [write_adapter(out_dir / f"adapter-{i:04d}", model, rank=ranks[i % len(ranks)], targets=targets,
-                          seed=seed * 100003 + i) for i in range(n)]
+    k = n if distinct is None else max(1, min(distinct, n))
+    paths = [write_adapter(out_dir / f"adapter-{i:04d}", model, rank=ranks[i % len(ranks)], targets=targets,
+                           seed=seed * 100003 + i, dtype=dtype) for i in range(k)]
+    for i in range(k, n):
+        src, dst = paths[i % k], out_dir / f"adapter-{i:04d}"
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if not (dst / f.name).exists():
+                os.link(f, dst / f.name)
+        paths.append(dst)
+    return paths
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -143,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     pm.add_argument("--preset", default="tiny")
     pm.add_argument("--out", required=True)
     pm.add_argument("--seed", type=int, default=0)
-    pm.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    pm.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     pm.add_argument("--shard-gb", type=float, default=4.0)
     pa = sub.add_parser("adapters", help="write random PEFT adapter dirs for a model dir")
     pa.add_argument("--model", required=True)
@@ -152,14 +175,17 @@ def main(argv: list[str] | None = None) -> None:
     pa.add_argument("--ranks", default="8")
     pa.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
     pa.add_argument("--seed", type=int, default=0)
+    pa.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    pa.add_argument("--distinct", type=int, default=None,
+                    help="write only this many distinct adapters; the rest hard-link their files (saves disk)")
     args = p.parse_args(argv)
     if args.cmd == "model":
-        path = write_model(args.out, args.preset, args.seed, np.dtype(args.dtype), int(args.shard_gb * 2**30))
+        path = write_model(args.out, args.preset, args.seed, np_dtype(args.dtype), int(args.shard_gb * 2**30))
         print(f"wrote {path}")
     else:
         cfg = ModelConfig.from_model_dir(args.model)
         paths = write_adapters(args.out, cfg, args.n, [int(r) for r in args.ranks.split(",")], args.seed,
-                               tuple(args.targets.split(",")))
+                               tuple(args.targets.split(",")), np_dtype(args.dtype), args.distinct)
         print(f"wrote {len(paths)} adapters under {args.out}")
 
 
