@@ -11,6 +11,8 @@ Role signatures (``interpret`` is ignored by backends without an interpret mode;
 
 * ``bgmv_shrink(x, pool, layer, row_slot, table, modules, max_rank, *, interpret)`` -> f32[T, len(modules), max_rank]
 * ``bgmv_expand(y, base, pool, layer, row_slot, table, modules, d_outs, *, interpret)`` -> [T, sum(d_outs)]
+* ``bgmv_lora(x, base, pool, layer, row_slot, table, modules, max_rank, d_outs, *, interpret)``: shrink and expand
+  of one group in one call (decode; the serving forward's path on one device) -> [T, sum(d_outs)]
 * ``sgmv_shrink(x, pool, layer, tiles, table, modules, max_rank, block_t, *, interpret)``: as bgmv_shrink
 * ``sgmv_expand(y, base, pool, layer, tiles, table, modules, d_outs, block_t, *, interpret)``: as bgmv_expand
 * ``decode_attention(q, pool, layer, page_table, context_lens, *, page_size, num_kv_heads, sm_scale, interpret)``
@@ -18,8 +20,8 @@ Role signatures (``interpret`` is ignored by backends without an interpret mode;
   num_kv_heads, sm_scale, interpret)``
 * ``write_kv(pool, layer, k, v, slots, page_size)`` -> pool
 
-Shapes and meanings are those of the Triton kernels (``lora_bgmv``, ``lora_sgmv``, ``paged_attention``,
-``prefill_attention``, ``kv_cache``), whose docstrings are the contract.
+Shapes and meanings are those of the Triton kernels (``lora_bgmv``, ``lora_fused``, ``lora_sgmv``,
+``paged_attention``, ``prefill_attention``, ``kv_cache``), whose docstrings are the contract.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from pallas_kernels import kv_cache, lora_bgmv, lora_sgmv, paged_attention, prefill_attention
+from pallas_kernels import kv_cache, lora_bgmv, lora_fused, lora_sgmv, paged_attention, prefill_attention
 
 FALLBACK_PLATFORM = "cpu"  # tile settings for platforms a backend has no entry for
 
@@ -54,6 +56,7 @@ class KernelBackend:
     name: str
     bgmv_shrink: Callable
     bgmv_expand: Callable
+    bgmv_lora: Callable
     sgmv_shrink: Callable
     sgmv_expand: Callable
     decode_attention: Callable
@@ -86,6 +89,7 @@ REFERENCE = KernelBackend(
     name="reference",
     bgmv_shrink=lora_bgmv.bgmv_shrink_reference,
     bgmv_expand=lora_bgmv.bgmv_expand_reference,
+    bgmv_lora=lora_fused.bgmv_lora_reference,
     sgmv_shrink=lora_sgmv.sgmv_shrink_reference,
     sgmv_expand=lora_sgmv.sgmv_expand_reference,
     decode_attention=paged_attention.paged_decode_attention_reference,
@@ -100,6 +104,7 @@ PALLAS_TRITON = KernelBackend(
     name="pallas-triton",
     bgmv_shrink=lora_bgmv.bgmv_shrink,
     bgmv_expand=lora_bgmv.bgmv_expand,
+    bgmv_lora=lora_fused.bgmv_lora,
     sgmv_shrink=lora_sgmv.sgmv_shrink,
     sgmv_expand=lora_sgmv.sgmv_expand,
     decode_attention=paged_attention.paged_decode_attention,
@@ -107,6 +112,11 @@ PALLAS_TRITON = KernelBackend(
     write_kv=kv_cache.write_kv,
     tiles={"cpu": SMALL_TILES, "gpu": TRITON_GPU_TILES},
 )
+
+# The v1 decode LoRA (shrink, XLA sum of the d_in splits, expand: 3 kernels per group instead of 1), kept selectable
+# so that the fused kernels can be compared with it in the same run.
+PALLAS_TRITON_UNFUSED = dataclasses.replace(PALLAS_TRITON, name="pallas-triton-unfused",
+                                            bgmv_lora=lora_fused.bgmv_lora_unfused)
 
 _REGISTRY: dict[str, KernelBackend] = {}
 
@@ -146,3 +156,4 @@ def default_tiles(backend: str, platform: str) -> dict[str, int]:
 
 register_backend(REFERENCE)
 register_backend(PALLAS_TRITON, "pallas")  # "pallas": today's Pallas kernels, whichever lowering serves best
+register_backend(PALLAS_TRITON_UNFUSED, "pallas-unfused")

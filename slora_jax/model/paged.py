@@ -75,6 +75,15 @@ class PagedOps:
             return tp_lora(self, x, y, modules, layer, pool)
         if not any(m in self.spec.lora_modules for m in modules):
             return y
+        return self.shrink_expand(x, y, modules, layer, pool)
+
+    def shrink_expand(self, x, y, modules, layer, pool):
+        """``y`` plus each row's LoRA delta: decode runs the group as one call (``bgmv_lora``: one fused kernel, the
+        rank-r intermediate never leaves the chip), prefill as shrink then expand."""
+        if self.spec.mode == "decode":
+            d_outs = tuple(self.cfg.module_dims(MODULES[m])[1] for m in modules)
+            return self.kernels.bgmv_lora(x, y, pool, layer, self.batch.row_slot, self.table, modules,
+                                          self.spec.max_rank, d_outs, interpret=self.spec.interpret)
         return self.expand(self.shrink(x, modules, layer, pool), y, modules, layer, pool)
 
     def shrink(self, x, modules, layer, pool):
