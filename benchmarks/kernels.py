@@ -12,7 +12,16 @@ stacked densely, gathered per row with einsum, as dense-stacking servers do). Pr
 projections (x @ W) and reports the LoRA overhead.
 
 Times are per layer. Module groups are timed separately (q,k,v | o | gate,up | down: one shrink + one expand each,
-as the model calls them); "all7" sums the four groups, "qkvo" the first two.
+as the model calls them); "all7" sums the four groups, "qkvo" the first two. Decode also times the fused kernels
+(``pallas_kernels.lora_fused``: one kernel per group) beside the v1 shrink + expand.
+
+    PYTHONPATH=. python benchmarks/kernels.py --decode-table --out results.json   # H200: ~4 minutes
+
+``--decode-table`` runs only issue 14's decode rows (batch 1/16/64/256, rank 16, all 7 projections, plus rank 16
+under max rank 64 and a rank mix): v1 vs fused (its own plan and a few forced plans), each checked against the jnp
+reference first; per group, the sum of groups, and one timing loop per layer (the four groups in one iteration, as
+a decoder layer launches them) beside an empty loop (the loop's own cost per iteration); kernels per call counted
+in the compiled HLO.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ def parse_args():
     p.add_argument("--tiny", action="store_true", help="tiny shapes, interpret mode (CPU smoke test)")
     p.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep of the headline decode case")
     p.add_argument("--pool-gib", type=float, default=8.0, help="pool size (>4 GiB exercises 64-bit addressing)")
+    p.add_argument("--decode-table", action="store_true", help="only issue 14's decode rows: v1 vs fused kernels")
     return p.parse_args()
 
 
@@ -57,6 +67,13 @@ from jax import lax  # noqa: E402
 
 from pallas_kernels.lora_bgmv import bgmv_expand, bgmv_expand_reference, bgmv_shrink, bgmv_shrink_reference  # noqa: E402
 from pallas_kernels.lora_common import AdapterTable, Tuning, gather_lora_a, gather_lora_b, pack_offsets  # noqa: E402
+from pallas_kernels.lora_fused import (  # noqa: E402
+    FusedTuning,
+    bgmv_lora,
+    bgmv_lora_reference,
+    bgmv_lora_unfused,
+    fused_plan,
+)
 from pallas_kernels.lora_sgmv import (  # noqa: E402
     SegmentTiles,
     make_tiles,
@@ -166,6 +183,39 @@ def reference_decode(x, base, pool, row_slot, table, *, modules, max_rank):
     return bgmv_expand_reference(y, base, pool, jnp.int32(0), row_slot, table, modules, d_outs)
 
 
+def fused_group(x, base, pool, row_slot, table, *, modules, max_rank, tuning=None):
+    return bgmv_lora(x, base, pool, jnp.int32(0), row_slot, table, modules, max_rank, group_dims(modules)[1],
+                     tuning=tuning)
+
+
+def v1_group(x, base, pool, row_slot, table, *, modules, max_rank):
+    return bgmv_lora_unfused(x, base, pool, jnp.int32(0), row_slot, table, modules, max_rank, group_dims(modules)[1])
+
+
+def reference_group(x, base, pool, row_slot, table, *, modules, max_rank):
+    return bgmv_lora_reference(x, base, pool, jnp.int32(0), row_slot, table, modules, max_rank,
+                               group_dims(modules)[1])
+
+
+def layer_of(group_fn, **kw):
+    """All four groups, in model order: what one decoder layer launches (x and base are tuples, one per group)."""
+    fns = [functools.partial(group_fn, modules=m, **kw) for m in GROUPS.values()]
+
+    def fn(xs, bases, *operands):
+        return tuple(f(x, b, *operands) for f, x, b in zip(fns, xs, bases, strict=True))
+
+    return fn
+
+
+def empty_layer(xs, bases, *operands):
+    """The timing loop with nothing in it: its cost per iteration is in every other loop's time."""
+    return bases
+
+
+def empty_group(x, base, *operands):
+    return base
+
+
 def kernel_prefill(x, base, pool, tiles, table, *, modules, max_rank):
     d_outs = group_dims(modules)[1]
     y = sgmv_shrink(x, pool, jnp.int32(0), tiles, table, modules, max_rank, BLOCK_T)
@@ -212,10 +262,10 @@ def padded_stacks(pool, table, modules, r_max):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _loop(fn, n, x, base, *operands):
-    def body(_, carry):
+    def body(_, carry):  # x and base may be tuples (one per module group: a whole layer per iteration)
         x, base = carry
         out = fn(x, base, *operands)
-        x = lax.dynamic_update_slice(x, out[:1, :1].astype(x.dtype), (0, 0))
+        x = jax.tree.map(lambda xi, oi: lax.dynamic_update_slice(xi, oi[:1, :1].astype(xi.dtype), (0, 0)), x, out)
         return x, out
 
     return lax.fori_loop(0, n, body, (x, base))
@@ -274,6 +324,7 @@ def run_combo(kind, n_rows, ranks, max_rank, pool, table, row_slot, tiles, rng) 
         kw = {"modules": modules, "max_rank": max_rank}
         if kind == "decode":
             kfn, rfn, sel = functools.partial(kernel_decode, **kw), functools.partial(reference_decode, **kw), row_slot
+            jobs[g, "fused"] = (functools.partial(fused_group, **kw), (x, base, pool, sel, table))
         else:
             kfn, rfn, sel = functools.partial(kernel_prefill, **kw), functools.partial(reference_prefill, **kw), tiles
         jobs[g, "kernel"] = (kfn, (x, base, pool, sel, table))
@@ -292,9 +343,12 @@ def run_combo(kind, n_rows, ranks, max_rank, pool, table, row_slot, tiles, rng) 
         zeros = jnp.zeros_like(base)
         got = compiled[g, "kernel"](1, x, zeros, *jobs[g, "kernel"][1][2:])[1]
         want = compiled[g, "reference"](1, x, zeros, *jobs[g, "reference"][1][2:])[1]
-        res = {"rel_err": rel_err(got, want), "adapter_bytes": adapter_bytes(ranks, modules),
+        err = rel_err(got, want)
+        if (g, "fused") in compiled:
+            err = max(err, rel_err(compiled[g, "fused"](1, x, zeros, *jobs[g, "fused"][1][2:])[1], want))
+        res = {"rel_err": err, "adapter_bytes": adapter_bytes(ranks, modules),
                "io_bytes": io_bytes(n_rows, modules, max_rank)}
-        for impl in ("kernel", "reference", "padded", "base"):
+        for impl in ("kernel", "fused", "reference", "padded", "base"):
             if (g, impl) in compiled:
                 res[f"{impl}_s"] = time_compiled(compiled[g, impl], jobs[g, impl][1])
         groups[g] = res
@@ -317,6 +371,11 @@ def summarize(kind, set_name, groups: dict, n_rows, n_adapters, rank_name, copy_
     row["pct_copy_total"] = 100 * row["total_gbps"] / copy_gbps
     row["speedup_vs_reference"] = tot["reference_s"] / tot["kernel_s"]
     row["speedup_vs_padded"] = tot["padded_s"] / tot["kernel_s"]
+    if kind == "decode":
+        fused_s = sum(groups[g]["fused_s"] for g in MODULE_SETS[set_name])
+        row["fused_us"] = fused_s * 1e6
+        row["fused_pct_copy_adapter"] = 100 * row["adapter_bytes"] / fused_s / 1e9 / copy_gbps
+        row["fused_speedup_vs_v1"] = tot["kernel_s"] / fused_s
     if kind == "prefill":
         base_s = sum(groups[g]["base_s"] for g in MODULE_SETS[set_name])
         row["base_us"] = base_s * 1e6
@@ -369,13 +428,163 @@ def jax_copy_bandwidth() -> float:
 
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# --decode-table: issue 14's rows, v1 vs fused
+# ----------------------------------------------------------------------------------------------------------------------
+
+if ARGS.tiny:
+    TABLE_ROWS = [(1, (8,), 8), (4, (4, 8), 8)]
+else:  # (batch, ranks cycled over distinct adapters, max_rank): the issue's rows, then what the engine compiles
+    TABLE_ROWS = [(1, (16,), 16), (16, (16,), 16), (64, (16,), 16), (256, (16,), 16),
+                  (1, (16,), 64), (64, (16,), 64), (256, (8, 16, 32, 64), 64)]
+TARGET_US = {1: 30, 16: 40, 64: 80, 256: 230}  # issue 14, rank 16 rows
+# forced plans timed beside the plan's own choice (a variant whose plan equals one already timed is skipped)
+VARIANTS = {"split": FusedTuning(mode="split"), "fused": FusedTuning(mode="fused"),
+            "t8k": FusedTuning(tile_elems=8192, num_warps=8), "t32k": FusedTuning(tile_elems=32768, num_warps=16),
+            "t16k": FusedTuning(tile_elems=16384, num_warps=8)}
+TABLE_DEADLINE_S = 420  # start no new row after this (one device call is 10 minutes)
+LAUNCH_OPS = ("fusion", "custom-call", "copy", "copy-start", "reduce", "scatter", "gather", "sort",
+              "dynamic-update-slice", "dynamic-slice", "all-reduce")
+
+
+def count_launches(hlo_text: str) -> int:
+    """Kernel-launching instructions of a compiled module outside fused computations (approximate)."""
+    count, skip = 0, False
+    for line in hlo_text.splitlines():
+        head = line.strip()
+        if head.endswith("{") and "=" not in head.split("(")[0]:  # a computation header
+            name = head.removeprefix("ENTRY ").lstrip("%")
+            skip = name.startswith(("fused", "wrapped", "horizontally_fused"))  # bodies of fusions
+            continue
+        if not skip and "=" in head:
+            rhs = head.split("=", 1)[1]
+            count += any(f" {op}(" in rhs for op in LAUNCH_OPS)
+    return count
+
+
+def plan_of(n_rows, modules, max_rank, tuning=None):
+    d_in, d_outs = group_dims(modules)
+    p = fused_plan(n_rows, d_in // VDIM, tuple(d // VDIM for d in d_outs), VDIM, max_rank, 2,
+                   jax.default_backend() != "gpu", tuning)
+    return p
+
+
+def table_jobs(n, max_rank, pool, table, row_slot, rng):
+    """Timing jobs of one row: per group v1 / reference / fused plans (variants whose plan equals another skipped),
+    and per layer v1, fused and the empty loop. Returns (jobs, plans {(group, impl): plan})."""
+    jobs, plans, xs, bases = {}, {}, [], []
+    for g, modules in GROUPS.items():
+        d_in, d_outs = group_dims(modules)
+        x = jnp.asarray(rng.normal(size=(n, d_in)), BF16)
+        base = jnp.asarray(rng.normal(size=(n, sum(d_outs))), BF16)
+        xs.append(x)
+        bases.append(base)
+        kw, args = {"modules": modules, "max_rank": max_rank}, (x, base, pool, row_slot, table)
+        jobs[g, "v1"] = (functools.partial(v1_group, **kw), args)
+        jobs[g, "reference"] = (functools.partial(reference_group, **kw), args)
+        seen = {}
+        for name, tuning in {"auto": None, **VARIANTS}.items():
+            p = plan_of(n, modules, max_rank, tuning)
+            key = p._replace(est_us=0.0)
+            if key in seen:
+                continue
+            seen[key] = name
+            plans[g, name] = p
+            jobs[g, name] = (functools.partial(fused_group, tuning=tuning, **kw), args)
+    layer_args = (tuple(xs), tuple(bases), pool, row_slot, table)
+    jobs["layer", "v1"] = (layer_of(v1_group, max_rank=max_rank), layer_args)
+    jobs["layer", "auto"] = (layer_of(fused_group, max_rank=max_rank), layer_args)
+    jobs["layer", "empty"] = (empty_layer, layer_args)
+    jobs["group", "empty"] = (empty_group, jobs["qkv", "v1"][1])
+    return jobs, plans
+
+
+def table_row(n, ranks, max_rank, pool, rng, copy_gbps) -> dict:
+    table = make_table(rng, ranks, pool.shape[1])
+    row_slot = jnp.asarray(rng.permutation(n).astype(np.int32))
+    jobs, plans = table_jobs(n, max_rank, pool, table, row_slot, rng)
+    compiled = compile_all(jobs)
+    launches = {key: count_launches(c.as_text()) for key, c in compiled.items()}
+    empty_launches, group_empty = launches["layer", "empty"], launches["group", "empty"]
+    groups = {}
+    for g, modules in GROUPS.items():  # correctness first: one call on base = 0 against the reference
+        x, base = jobs[g, "v1"][1][:2]
+        zeros = jnp.zeros_like(base)
+        want = compiled[g, "reference"](1, x, zeros, *jobs[g, "v1"][1][2:])[1]
+        impls = [k[1] for k in jobs if k[0] == g and k[1] != "reference"]
+        res = {"adapter_bytes": adapter_bytes(ranks, modules)}
+        for impl in impls:
+            got = compiled[g, impl](1, x, zeros, *jobs[g, impl][1][2:])[1]
+            res[impl] = {"rel_err": rel_err(got, want), "kernels": launches[g, impl] - group_empty}
+            if (g, impl) in plans:
+                res[impl]["plan"] = plans[g, impl]._asdict()
+        groups[g] = res
+    for g in GROUPS:
+        for impl in list(groups[g]):
+            if impl != "adapter_bytes":
+                groups[g][impl]["us"] = time_compiled(compiled[g, impl], jobs[g, impl][1]) * 1e6
+    layer = {impl: {"us": time_compiled(compiled["layer", impl], jobs["layer", impl][1]) * 1e6,
+                    "kernels": launches["layer", impl] - (0 if impl == "empty" else empty_launches)}
+             for impl in ("v1", "auto", "empty")}
+    io = sum(n * (group_dims(m)[0] * 2 + sum(group_dims(m)[1]) * 4) for m in GROUPS.values())
+    floor_bytes = adapter_bytes(ranks, range(7)) + io
+    # best per group over every fused plan timed (what a tuned plan would give)
+    best = {g: min((v["us"], k) for k, v in groups[g].items() if k not in ("adapter_bytes", "v1")) for g in GROUPS}
+    return {
+        "rows": n, "ranks": sorted(set(ranks)), "max_rank": max_rank, "groups": groups, "layer": layer,
+        "v1_sum_us": sum(groups[g]["v1"]["us"] for g in GROUPS),
+        "auto_sum_us": sum(groups[g]["auto"]["us"] for g in GROUPS),
+        "best_sum_us": sum(b[0] for b in best.values()), "best_plans": {g: b[1] for g, b in best.items()},
+        "floor_bytes": floor_bytes, "floor_us": floor_bytes / copy_gbps / 1e3,
+        "target_us": TARGET_US.get(n) if set(ranks) == {16} and max_rank == 16 else None,
+        "worst_rel_err": max(v["rel_err"] for g in GROUPS for k, v in groups[g].items() if k != "adapter_bytes"),
+        "est_sum_us": sum(groups[g]["auto"]["plan"]["est_us"] for g in GROUPS),
+    }
+
+
+def decode_table(pool, rng, copy_gbps, t_start) -> list[dict]:
+    out = []
+    for n, rank_set, max_rank in TABLE_ROWS:
+        if time.perf_counter() - t_start > TABLE_DEADLINE_S:
+            print(f"skipped batch {n} ranks {rank_set} max {max_rank}: past {TABLE_DEADLINE_S} s", flush=True)
+            continue
+        ranks = [rank_set[i % len(rank_set)] for i in range(n)]
+        r = table_row(n, ranks, max_rank, pool, rng, copy_gbps)
+        out.append(r)
+        per = "  ".join(f"{g}: v1 {r['groups'][g]['v1']['us']:.1f} auto {r['groups'][g]['auto']['us']:.1f} "
+                        f"({r['groups'][g]['auto']['plan']['mode']} v{r['groups'][g]['auto']['plan']['vecs']}) "
+                        f"best {r['best_plans'][g]}" for g in GROUPS)
+        print(f"batch {n:3d} ranks {r['ranks']} max {max_rank}: v1 {r['v1_sum_us']:.1f} us, fused "
+              f"{r['auto_sum_us']:.1f} us (layer loop: v1 {r['layer']['v1']['us']:.1f}, fused "
+              f"{r['layer']['auto']['us']:.1f}, empty {r['layer']['empty']['us']:.1f}), err {r['worst_rel_err']:.1e}"
+              f"  [{time.perf_counter() - t_start:.0f} s]\n    {per}", flush=True)
+    print()
+    head = (f"{'batch':>5s} {'ranks':14s} {'maxr':>4s} {'v1 sum':>8s} {'v1 layer':>8s} {'fu sum':>8s} "
+            f"{'fu layer':>8s} {'best':>8s} {'empty':>6s} {'floor':>7s} {'target':>6s} {'model':>6s} {'k v1/fu':>7s} "
+            f"{'relerr':>8s}")
+    print(head)
+    print("-" * len(head))
+    for r in out:
+        target = f"{r['target_us']:6.0f}" if r["target_us"] else f"{'':6s}"
+        ks = f"{r['layer']['v1']['kernels']}/{r['layer']['auto']['kernels']}"
+        print(f"{r['rows']:5d} {str(r['ranks']):14s} {r['max_rank']:4d} {r['v1_sum_us']:8.1f} "
+              f"{r['layer']['v1']['us']:8.1f} {r['auto_sum_us']:8.1f} {r['layer']['auto']['us']:8.1f} "
+              f"{r['best_sum_us']:8.1f} {r['layer']['empty']['us']:6.1f} {r['floor_us']:7.1f} {target} "
+              f"{r['est_sum_us']:6.1f} {ks:>7s} {r['worst_rel_err']:8.1e}")
+    print("(us per layer, all 7 projections; 'sum': four groups each in its own timing loop, as v1's table; "
+          "'layer': the four in one loop; 'best': the fastest fused plan per group; 'model': the plan's estimate; "
+          "'k': kernels per layer from the compiled HLO)")
+    return out
+
+
 def print_table(rows):
     head = (f"{'kind':7s} {'mods':4s} {'rows':>5s} {'adap':>4s} {'rank':>4s} {'us':>8s} {'GB/s':>7s} {'%copy':>5s} "
-            f"{'xRef':>6s} {'xPad':>6s} {'relerr':>8s} {'base_us':>8s} {'ovh%':>6s}")
+            f"{'xRef':>6s} {'xPad':>6s} {'relerr':>8s} {'base_us':>8s} {'ovh%':>6s}  (decode: fused us, x v1)")
     print(head)
     print("-" * len(head))
     for r in rows:
-        extra = f"{r['base_us']:8.1f} {r['lora_overhead_pct']:6.1f}" if r["kind"] == "prefill" else ""
+        extra = (f"{r['base_us']:8.1f} {r['lora_overhead_pct']:6.1f}" if r["kind"] == "prefill" else
+                 f"{'':8s} {'':6s}  {r['fused_us']:8.1f} x{r['fused_speedup_vs_v1']:.2f}")
         print(f"{r['kind']:7s} {r['modules']:4s} {r['rows']:5d} {r['adapters']:4d} {r['rank']:>4s} {r['time_us']:8.1f} "
               f"{r['adapter_gbps']:7.1f} {r['pct_copy_adapter']:5.0f} {r['speedup_vs_reference']:6.2f} "
               f"{r['speedup_vs_padded']:6.2f} {r['rel_err']:8.1e} {extra}")
@@ -394,6 +603,8 @@ def main():
     print(f"pool: {pool.shape} {pool.dtype} ({pool.nbytes / 2**30:.1f} GiB)", flush=True)
     rng = np.random.default_rng(0)
     rows = []
+    if ARGS.decode_table:
+        return write_result(device, copy, pool, t_start, decode_table=decode_table(pool, rng, copy_gbps, t_start))
 
     for n in DECODE_BATCHES:
         for rank_name, rank_set in RANK_CONFIGS.items():
@@ -443,14 +654,17 @@ def main():
               f" {headline[0]['pct_copy_adapter']:.0f}% of copy bandwidth on adapter bytes (target >= 60%)")
     worst = max(r["rel_err"] for r in rows)
     print(f"worst relative error vs fp32 reference: {worst:.2e}")
+    write_result(device, copy, pool, t_start, cases=rows, tuning_sweep=sweep, worst_rel_err=worst)
+
+
+def write_result(device, copy, pool, t_start, **parts):
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "device": device.device_kind, "platform": device.platform, "jax_version": jax.__version__,
         "git_commit": git_commit(), "tiny": ARGS.tiny, "copy_bandwidth": copy,
         "shapes": {"hidden": HIDDEN, "intermediate": INTER, "head_dim": VDIM, "kv_width": KV_WIDTH,
                    "page_rows": PAGE_ROWS, "pool_shape": list(pool.shape), "prefill_block_t": BLOCK_T},
-        "cases": rows, "tuning_sweep": sweep, "worst_rel_err": worst,
-        "wall_s": time.perf_counter() - t_start,
+        **parts, "wall_s": time.perf_counter() - t_start,
     }
     with open(ARGS.out, "w") as f:
         json.dump(result, f, indent=1)
