@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long running requests may take to finish before they end with an error")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    r = p.add_argument_group("replicas on Ray Serve (docs/RAY.md; pip install -e '.[ray]')")
+    r.add_argument("--ray", action="store_true", help="serve --replicas engines behind one endpoint on --host/--port, "
+                   "each request routed to a replica holding its adapter")
+    r.add_argument("--replicas", type=positive_int, default=2, metavar="N", help="engines (one per GPU) with --ray")
+    r.add_argument("--ray-address", default=None, metavar="ADDR", help="Ray cluster to join ('auto': the one this "
+                   "machine belongs to; ray://HOST:10001); default: start a local one")
     return p
 
 
@@ -239,14 +245,51 @@ def register_adapters(engine, base_name: str, lora_modules: dict[str, Path], ada
             log.warning("%d of %d adapters under %s were skipped (see above)", skipped, len(found), root)
 
 
+def batch_size(args: argparse.Namespace, on_gpu: bool) -> int:
+    """Running sequences per decode step: --max-batch-size, else 256 on a GPU and 64 on CPU."""
+    return args.max_batch_size or (256 if on_gpu else 64)
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """The name clients use for the base model."""
+    from .demo import DEMO_MODEL_NAME
+
+    if args.served_model_name:
+        return args.served_model_name
+    return DEMO_MODEL_NAME if args.model is None else args.model.expanduser().resolve().name
+
+
+def resolve_model(args: argparse.Namespace, dtype: str) -> tuple[Path, list[Path], str]:
+    """(model dir, adapter dirs, served model name) of the flags; writes the demo (in ``dtype``) with no --model."""
+    from .demo import ensure_demo
+
+    adapter_dirs = list(args.adapter_dir)
+    if args.model is None:
+        model_dir, demo_adapters = ensure_demo(dtype)
+        adapter_dirs.append(demo_adapters)
+        log.info("no --model: serving the embedded demo from %s", model_dir.parent)
+        return model_dir, adapter_dirs, served_model_name(args)
+    model_dir = args.model.expanduser()
+    if not (model_dir / "config.json").is_file():
+        raise SystemExit(f"--model: {model_dir} has no config.json")
+    return model_dir, adapter_dirs, served_model_name(args)
+
+
 def build_server(args: argparse.Namespace):
     """Load the model and adapters, warm up, and return a ready-to-run :class:`Server`."""
+    from .server import Server
+
+    engine, config, tokenizer = build_engine(args)
+    return Server(engine, config, host=args.host, port=args.port, log_level=args.log_level, tokenizer=tokenizer)
+
+
+def build_engine(args: argparse.Namespace):
+    """Load the model and adapters and warm up: (engine, ``ServerConfig``, the server's own tokenizer). A server
+    here or a Ray replica (``ray_app``) serves them."""
     from ..engine import compile_counter
     from ..engine.engine import Engine
     from ..model.config import ModelConfig
     from ..tools.tokenizer import load_tokenizer
-    from .demo import DEMO_MODEL_NAME, ensure_demo
-    from .server import Server
 
     started = time.monotonic()
     if not args.no_compilation_cache:
@@ -255,17 +298,7 @@ def build_server(args: argparse.Namespace):
     on_gpu = _on_gpu()
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     backend = args.backend or ("pallas" if on_gpu else "reference")
-    adapter_dirs = list(args.adapter_dir)
-    if args.model is None:
-        model_dir, demo_adapters = ensure_demo(dtype)
-        adapter_dirs.append(demo_adapters)
-        name = args.served_model_name or DEMO_MODEL_NAME
-        log.info("no --model: serving the embedded demo from %s", model_dir.parent)
-    else:
-        model_dir = args.model.expanduser()
-        if not (model_dir / "config.json").is_file():
-            raise SystemExit(f"--model: {model_dir} has no config.json")
-        name = args.served_model_name or model_dir.resolve().name
+    model_dir, adapter_dirs, name = resolve_model(args, dtype)
     lora_modules = parse_lora_modules(args.lora_modules)
 
     cfg = ModelConfig.from_model_dir(model_dir)
@@ -273,7 +306,7 @@ def build_server(args: argparse.Namespace):
     # no --pool-gb / --num-pages: the engine sizes the pool from the memory free once the weights are loaded
     pool_bytes = None if args.num_pages else int(args.pool_gb * 2**30) if args.pool_gb else None
     ecfg = EngineConfig(
-        max_batch_size=args.max_batch_size or (256 if on_gpu else 64), max_model_len=max_len,
+        max_batch_size=batch_size(args, on_gpu), max_model_len=max_len,
         max_prefill_tokens=max(args.max_prefill_tokens or max_len, max_len), page_size=args.page_size,
         max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
         pool_bytes=pool_bytes, num_pages=args.num_pages, dtype=dtype, backend=backend, max_waiting=args.max_waiting,
@@ -311,8 +344,7 @@ def build_server(args: argparse.Namespace):
                           max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                           header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
                           shutdown_grace_s=args.shutdown_grace_s, tenant_header=args.tenant_header)
-    return Server(engine, config, host=args.host, port=args.port, log_level=args.log_level,
-                  tokenizer=load_tokenizer(model_dir))  # its own copy: the engine thread decodes concurrently
+    return engine, config, load_tokenizer(model_dir)  # the server's own copy: the engine thread decodes concurrently
 
 
 GPU_MEMORY_FRACTION = "0.95"  # of the card JAX may use when XLA_PYTHON_CLIENT_MEM_FRACTION is not set
@@ -329,6 +361,11 @@ def main(argv: list[str] | None = None) -> None:
     # JAX takes 75% of a GPU unless told otherwise; the pool is sized from what is free after the weights, so let JAX
     # have the card (the rest is the CUDA context and library workspaces). Read when the backend starts, not before.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
+    if args.ray:
+        from .ray_app import run_ray
+
+        run_ray(args)
+        return
     try:
         server = build_server(args)
     except (ValueError, FileNotFoundError) as e:
