@@ -1,0 +1,585 @@
+"""The S-LoRA traces of ``serving.py`` through a real ``python -m slora_jax.serve``, streamed with the ``openai`` async
+client, beside the in-process engine on the same trace and NVIDIA aiperf on the same server (issue 13).
+
+    PYTHONPATH=. python benchmarks/http_serving.py --tiny --out http_cpu.json             # embedded demo, CPU
+    PYTHONPATH=. python benchmarks/http_serving.py --preset llama-2-7b --n-adapters 2000 --aiperf --out http.json
+    PYTHONPATH=. python benchmarks/http_serving.py --url http://127.0.0.1:8000 --model DIR --rates 5,10  # attach
+
+The server is started the way a user starts it (flags this script does not know go to it; ``--preset`` first writes
+a random bf16 model dir with a tokenizer and ``--n-adapters`` PEFT dirs). Every trace is ``workload.make_trace`` with
+the seeds of ``serving.py``: ``sat`` sends ``--requests`` at 1000 req/s, a number is a set rate for ``--duration`` s,
+``x0.7`` is 0.7 times the saturation measured over HTTP in this run. The token-id prompts are the ones
+``serving.run_trace`` draws, so the in-process engine (built by the server's own ``build_engine`` in a child process
+after the server has exited, with the server's pool size) serves exactly the same requests. Clients run in
+``--client-procs`` processes so the client is not what saturates; their CPU share and event-loop lag are reported.
+
+TTFT is first token minus scheduled arrival; ``itl_ms`` is the per-token gap (a chunk of k tokens after a gap g counts
+k gaps of g/k, as the server's histogram); ``tpot_ms`` is per request (last - first token) / (tokens - 1), the
+figure aiperf calls inter-token latency. SLO attainment: share of all requests with a first token within ``--slo-s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import datetime
+import importlib.util
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from aiperf_run import run_aiperf  # run as python benchmarks/http_serving.py: benchmarks/ is on the path
+from common import git_commit
+from soak import ServerProcess, device_info
+from workload import make_trace
+
+SAT_RATE = 1000.0  # requests/s of a saturation trace (serving.py's)
+WARM = dict(n=4, rate=1000.0, num=16, seed=7)  # serving.py's untimed warm-up trace
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+BENCH = Path(__file__).resolve().parent
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpRequest:
+    arrival: float
+    adapter: str
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+def trace_requests(trace, adapter_names: list[str], vocab: int) -> list[HttpRequest]:
+    """The requests ``serving.run_trace`` makes of ``trace``: the same token ids (its rng, seed 1, drawn in trace
+    order), adapter ``adapter_names[r.adapter]``, ``max_tokens`` = output length (served with ignore_eos)."""
+    rng = np.random.default_rng(1)
+    return [HttpRequest(r.arrival, adapter_names[r.adapter], rng.integers(3, vocab, size=r.prompt_len).tolist(),
+                        r.output_len) for r in trace]
+
+
+def trace_spec(name: str, n: int, rate: float, num: int, seed: int, in_range, out_range) -> dict:
+    return dict(name=name, n=n, rate=rate, num=num, seed=seed, in_range=list(in_range), out_range=list(out_range))
+
+
+def make_spec_trace(spec: dict):
+    return make_trace(spec["n"], spec["rate"], spec["num"], alpha=1.0, cv=1.0, in_range=tuple(spec["in_range"]),
+                      out_range=tuple(spec["out_range"]), seed=spec["seed"])
+
+
+# ---------------------------------------------------------------- the client (one event loop per process)
+
+
+async def _one(client, i: int, r: HttpRequest, t0: float) -> dict:
+    import openai
+
+    await asyncio.sleep(max(0.0, t0 + r.arrival - time.monotonic()))
+    rec = {"i": i, "arrival": r.arrival, "sent": time.monotonic() - t0, "first": None, "end": None, "tokens": 0,
+           "usage": None, "finish": None, "error": None, "gaps": []}
+    last = None
+    try:
+        stream = await client.completions.create(
+            model=r.adapter, prompt=r.prompt_ids, max_tokens=r.max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
+        async with stream:
+            async for chunk in stream:
+                now = time.monotonic() - t0
+                if chunk.usage is not None:
+                    rec["usage"] = chunk.usage.completion_tokens
+                for c in chunk.choices:
+                    k = len((c.model_extra or {}).get("token_ids") or ())
+                    if k:
+                        if last is None:
+                            rec["first"] = now
+                        else:
+                            rec["gaps"].append(((now - last) / k, k))
+                        last = now
+                        rec["tokens"] += k
+                    if c.finish_reason is not None:
+                        rec["finish"], rec["end"] = c.finish_reason, now
+    except openai.APIStatusError as e:
+        rec["error"], rec["detail"] = f"http_{e.status_code}", str(e)[:300]
+    except openai.APITimeoutError as e:
+        rec["error"], rec["detail"] = "timeout", str(e)[:300]
+    except openai.APIConnectionError as e:
+        rec["error"], rec["detail"] = "connection", str(e)[:300]
+    except openai.APIError as e:  # an error event in the stream
+        rec["error"], rec["detail"] = "stream_error", str(e)[:300]
+    except Exception as e:  # noqa: BLE001 (counted by kind, never raised: one request must not stop the trace)
+        rec["error"], rec["detail"] = type(e).__name__, str(e)[:300]
+    if rec["error"] is None:
+        if rec["finish"] != "length" or rec["first"] is None:
+            rec["error"] = f"finish_{rec['finish']}"
+        elif rec["tokens"] != r.max_tokens or rec["usage"] not in (None, rec["tokens"]):
+            rec["error"], rec["detail"] = "token_count", f"{rec['tokens']} streamed, usage {rec['usage']}"
+    return rec
+
+
+async def replay(url: str, api_key: str | None, reqs: list[tuple[int, HttpRequest]], t0: float,
+                 timeout_s: float) -> dict:
+    """Send ``reqs`` at ``t0`` + their arrival (``time.monotonic`` clock, shared by processes) and stream them."""
+    import openai
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # the pool must never queue us
+    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=60.0))
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "unused", http_client=http, max_retries=0)
+    lags, running = [], True
+
+    async def ticker(period=0.005):  # how late the loop wakes up: a busy client shows here first
+        while running:
+            t = time.monotonic()
+            await asyncio.sleep(period)
+            lags.append(time.monotonic() - t - period)
+
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    tick = asyncio.ensure_future(ticker())
+    records = await asyncio.gather(*(_one(client, i, r, t0) for i, r in reqs))
+    running = False
+    await tick
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    await client.close()
+    busy_wall = max(wall - max(0.0, t0 - wall0), 1e-9)  # from the trace start, not from when the process woke
+    return {"records": records, "cpu_frac": cpu / busy_wall,
+            "loop_lag_ms_p99": float(np.percentile(lags, 99) * 1e3) if lags else None,
+            "loop_lag_ms_max": float(max(lags) * 1e3) if lags else None}
+
+
+def _client_init() -> None:
+    import openai  # noqa: F401 (imported once per process, before any trace starts)
+
+
+def _replay_in_process(job) -> dict:
+    try:
+        import uvloop
+
+        return uvloop.run(replay(*job))
+    except ImportError:
+        return asyncio.run(replay(*job))
+
+
+def run_http_trace(pool, procs: int, url: str, api_key, reqs: list[HttpRequest], timeout_s: float,
+                   lead_s: float = 1.0) -> tuple[list[dict], list[dict]]:
+    """Split the trace round-robin over ``procs`` client processes that share one start time."""
+    t0 = time.monotonic() + lead_s
+    jobs = [(url, api_key, [(i, r) for i, r in enumerate(reqs) if i % procs == p], t0, timeout_s)
+            for p in range(procs)]
+    outs = pool.map(_replay_in_process, jobs, chunksize=1)
+    records = sorted((rec for o in outs for rec in o["records"]), key=lambda d: d["i"])
+    return records, [{k: v for k, v in o.items() if k != "records"} for o in outs]
+
+
+# ---------------------------------------------------------------- figures
+
+
+def dist(values, scale: float = 1.0) -> dict | None:
+    if len(values) == 0:
+        return None
+    v = np.asarray(values, dtype=np.float64) * scale
+    return {"mean": float(v.mean()), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
+            "p99": float(np.percentile(v, 99)), "max": float(v.max())}
+
+
+def summarize(name: str, records: list[dict], slo_s: float, clients: list[dict] | None = None) -> dict:
+    ok = [r for r in records if r["error"] is None]
+    elapsed = max((r["end"] for r in ok), default=0.0)  # from the trace start (the first arrival)
+    toks = sum(r["tokens"] for r in ok)
+    ttft = [r["first"] - r["arrival"] for r in ok]
+    gaps = [g for r in ok for g, k in r["gaps"] for _ in range(k)]
+    tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    errors = collections.Counter(r["error"] for r in records if r["error"])
+    examples = {}
+    for r in records:
+        if r["error"] and r["error"] not in examples:
+            examples[r["error"]] = r.get("detail")
+    return {
+        "trace": name, "requests": len(records), "finished": len(ok), "elapsed_s": elapsed,
+        "throughput_req_s": len(ok) / elapsed if elapsed else 0.0,
+        "throughput_tok_s": toks / elapsed if elapsed else 0.0,
+        "mean_first_token_s": float(np.mean(ttft)) if ttft else None,
+        "mean_latency_s": float(np.mean([r["end"] - r["arrival"] for r in ok])) if ok else None,
+        "slo_attainment": sum(t <= slo_s for t in ttft) / max(len(records), 1),
+        "ttft_ms": dist(ttft, 1e3), "itl_ms": dist(gaps, 1e3), "tpot_ms": dist(tpot, 1e3),
+        "e2e_s": dist([r["end"] - r["arrival"] for r in ok]),
+        "send_lag_ms": dist([r["sent"] - r["arrival"] for r in records], 1e3),
+        "errors": dict(errors), "error_examples": examples, "clients": clients or [],
+    }
+
+
+# ---------------------------------------------------------------- model and adapters a user would bring
+
+
+def _build(final: Path, build) -> Path:
+    if not final.exists():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+        build(tmp)
+        tmp.rename(final)
+    return final
+
+
+def prepare_preset(preset: str, work: Path, n_adapters: int, distinct: int, rank: int) -> tuple[Path, Path]:
+    """A random model dir (bf16 safetensors shards, tokenizer) and ``n_adapters`` PEFT dirs (rank ``rank``, q,k,v,o)
+    under ``work``, reused when present. Only ``distinct`` weight files are written; the other dirs hold their own
+    config and a hard link to one of them (2000 distinct 7B rank-8 files would be 67 GB): the server still reads,
+    checks, converts and loads every adapter by its own name."""
+    import ml_dtypes
+
+    from slora_jax.model.config import ModelConfig
+    from slora_jax.tools import synth
+    from slora_jax.tools.tokenizer import write_tokenizer
+
+    work.mkdir(parents=True, exist_ok=True)
+
+    def build_model(out: Path) -> None:
+        t = time.monotonic()
+        synth.write_model(out, preset, seed=0, dtype=np.dtype(ml_dtypes.bfloat16), shard_bytes=5 << 30)
+        write_tokenizer(out, ModelConfig.from_model_dir(out).vocab_size)
+        print(f"wrote {preset} to {out} in {time.monotonic() - t:.0f} s", flush=True)
+
+    model = _build(work / f"model-{preset}", build_model)
+    cfg = ModelConfig.from_model_dir(model)
+
+    def build_adapters(out: Path) -> None:
+        for i in range(n_adapters):
+            dst = out / f"adapter-{i:04d}"
+            if i < distinct:
+                synth.write_adapter(dst, cfg, rank=rank, targets=ATTN, seed=1000 + i)
+            else:
+                src = out / f"adapter-{i % distinct:04d}"
+                dst.mkdir()
+                shutil.copyfile(src / "adapter_config.json", dst / "adapter_config.json")
+                os.link(src / "adapter_model.safetensors", dst / "adapter_model.safetensors")
+
+    adapters = _build(work / f"adapters-{preset}-r{rank}-n{n_adapters}-k{distinct}", build_adapters)
+    return model, adapters
+
+
+# ---------------------------------------------------------------- the in-process engine (a child process)
+
+
+def in_process_child(spec_path: str, out_path: str) -> None:
+    """Build the engine exactly as the server does (``build_engine`` on the same flags), then replay the traces with
+    ``serving.run_trace``. Runs in its own process, after the server has exited and freed the device."""
+    import logging
+
+    spec = json.loads(Path(spec_path).read_text())
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # benchmarks/ off the path, as for the server: transformers probes for a package named 'kernels' and would
+    # run benchmarks/kernels.py
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
+    from slora_jax.engine import compile_counter
+    from slora_jax.serve.cli import build_engine, build_parser
+
+    t = time.monotonic()
+    engine, _, _ = build_engine(build_parser().parse_args(spec["server_args"]))
+    startup_s = time.monotonic() - t
+    import jax
+
+    # serving.py after the backend is up, so its XLA defaults cannot differ from the server's
+    serving_spec = importlib.util.spec_from_file_location("serving", BENCH / "serving.py")
+    serving = importlib.util.module_from_spec(serving_spec)
+    serving_spec.loader.exec_module(serving)
+    run_trace = serving.run_trace
+
+    names, vocab = spec["adapters"], spec["vocab"]
+    budget_end = time.monotonic() + spec["budget_s"]
+    warm = make_trace(WARM["n"], WARM["rate"], WARM["num"], in_range=tuple(spec["in_range"]),
+                      out_range=tuple(spec["out_range"]), seed=WARM["seed"])
+    run_trace(engine, "warm", warm, names[-WARM["n"]:], vocab, budget_end)
+    results = []
+    for s in spec["traces"]:
+        res, _ = run_trace(engine, s["name"], make_spec_trace(s), names[:s["n"]], vocab, budget_end, spec["slo_s"])
+        res.update(rate=s["rate"], n_adapters=s["n"])
+        results.append(res)
+        print("in-process " + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()
+                                          if not isinstance(v, dict)}), flush=True)
+    out = {"startup_s": startup_s, "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
+           "compiles": compile_counter.compile_count(), "cache_hits": compile_counter.cache_hits(),
+           "compiles_after_warmup": engine.compiles_since_warmup(), "pool": engine.stats()["pool"],
+           "results": results}
+    Path(out_path).write_text(json.dumps(out, indent=1, default=str))
+
+
+def run_in_process(server_args: list[str], specs: list[dict], names: list[str], vocab: int, args,
+                   budget_s: float, work: Path) -> dict:
+    spec_path, out_path = work / "in_process_spec.json", work / "in_process.json"
+    spec_path.write_text(json.dumps({"server_args": server_args, "traces": specs, "adapters": names, "vocab": vocab,
+                                     "slo_s": args.slo_s, "budget_s": budget_s, "in_range": args.in_range,
+                                     "out_range": args.out_range}))
+    log = work / "in_process.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, __file__, "--in-process-child", str(spec_path), str(out_path)],
+                              stdout=f, stderr=subprocess.STDOUT, timeout=budget_s + 300)
+    if proc.returncode != 0 or not out_path.exists():
+        return {"error": f"exit {proc.returncode}", "log_tail": log.read_text(errors="replace")[-3000:]}
+    return json.loads(out_path.read_text())
+
+
+# ---------------------------------------------------------------- the server
+
+
+def scrape_metrics(url: str, api_key: str | None) -> dict[str, float]:
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30,
+                         headers={"Authorization": f"Bearer {api_key}"} if api_key else {}).text
+    except httpx.HTTPError as e:
+        return {"error": repr(e)}
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(\w+)(\{[^}]*\})?\s+(\S+)$", line)
+        if m and re.match(r"slora_(requests|compiles|pool_pages|adapter_store|engine_step_failures)", m.group(1)):
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def startup_phases(log_text: str) -> dict:
+    """The server's own timings from its log (cli.build_engine's lines)."""
+    out = {}
+    pats = {"weights_and_pool_s": r"weights loaded and pool allocated in ([\d.]+) s",
+            "pool_pages": r"pool: (\d+) pages of", "pool_gib": r"pages of \d+ tokens \(([\d.]+) GiB\)",
+            "adapters_registered_s": r"adapters registered in ([\d.]+) s",
+            "warmup_compiles": r"warm-up: (\d+) compiles", "warmup_cache_hits": r"\((\d+) from the compilation cache\)",
+            "warmup_s": r"from the compilation cache\) in ([\d.]+) s", "ready_s": r"ready in ([\d.]+) s after start"}
+    for key, pat in pats.items():
+        m = re.search(pat, log_text)
+        if m:
+            out[key] = float(m.group(1))
+    return out
+
+
+def served_models(url: str, api_key: str | None) -> tuple[str, list[str], int]:
+    r = httpx.get(f"{url}/v1/models", timeout=60, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    data = r.json()["data"]
+    base = next(m["id"] for m in data if m["parent"] is None)
+    return base, sorted(m["id"] for m in data if m["parent"] is not None), data[0]["max_model_len"]
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)  # a server flag must never be taken for a prefix of ours
+    ap.add_argument("--out", default=None, help="JSON report")
+    ap.add_argument("--url", default=None, help="attach to this running server instead of starting one")
+    ap.add_argument("--preset", default=None, help="write a random model of this preset (configs/) and adapters")
+    ap.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "slora-http-bench")
+    ap.add_argument("--n-adapters", type=int, default=None, help="adapters in the trace (default: all served; "
+                    "with --preset: 2000)")
+    ap.add_argument("--distinct-adapters", type=int, default=32, help="--preset: distinct adapter weight files")
+    ap.add_argument("--adapter-rank", type=int, default=8, help="--preset: rank of the adapters (S1: 8)")
+    ap.add_argument("--rates", default="sat,x0.7", help="traces: sat, a rate in req/s, or xF = F times saturation")
+    ap.add_argument("--requests", type=int, default=None, help="requests of a saturation trace (800; --tiny 48)")
+    ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals of a set-rate trace (30)")
+    ap.add_argument("--in-range", default=None, help="prompt tokens lo,hi (8,512; --tiny 8,64)")
+    ap.add_argument("--out-range", default=None, help="output tokens lo,hi (8,512; --tiny 8,64)")
+    ap.add_argument("--slo-s", type=float, default=6.0, help="first-token SLO")
+    ap.add_argument("--in-process-rates", default="sat", help="traces for the in-process engine ('' = none)")
+    ap.add_argument("--aiperf", action="store_true", help="also run NVIDIA aiperf against the server")
+    ap.add_argument("--aiperf-rates", default="sat", help="aiperf runs: sat or xF (of our HTTP saturation)")
+    ap.add_argument("--aiperf-mode", default="synthetic", choices=["synthetic", "trace"])
+    ap.add_argument("--aiperf-python", default=sys.executable, help="the Python that has aiperf")
+    ap.add_argument("--client-procs", type=int, default=None, help="client processes (default min(4, cpus // 4))")
+    ap.add_argument("--request-timeout-s", type=float, default=600.0)
+    ap.add_argument("--startup-timeout-s", type=float, default=1200.0)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no trace after this many seconds")
+    ap.add_argument("--reserve-s", type=float, default=150.0,
+                    help="seconds of --budget-s kept for the in-process run: HTTP and aiperf runs start before it")
+    ap.add_argument("--tiny", action="store_true", help="CPU-sized defaults (short lengths, few requests)")
+    ap.add_argument("--in-process-child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args, server_args = ap.parse_known_args(argv)
+    server_args = [a for a in server_args if a != "--"]
+    sp = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # the server flags this script must know
+    sp.add_argument("--model", type=Path)
+    sp.add_argument("--adapter-dir", type=Path, action="append", default=[])
+    sp.add_argument("--api-key", default=os.environ.get("SLORA_JAX_API_KEY"))
+    sp.add_argument("--port", type=int, default=None)
+    sp.add_argument("--pool-gb", type=float, default=None)
+    sp.add_argument("--num-pages", type=int, default=None)
+    srv, _ = sp.parse_known_args(server_args)
+    lo_hi = "8,64" if args.tiny else "8,512"
+    args.in_range = [int(x) for x in (args.in_range or lo_hi).split(",")]
+    args.out_range = [int(x) for x in (args.out_range or lo_hi).split(",")]
+    args.requests = args.requests or (48 if args.tiny else 800)
+    args.duration = args.duration or (20.0 if args.tiny else 30.0)
+    args.client_procs = args.client_procs or (1 if args.tiny else max(1, min(4, (os.cpu_count() or 4) // 4)))
+    return args, server_args, srv
+
+
+def resolve_rate(token: str, sat: float | None) -> float | None:
+    if token == "sat":
+        return SAT_RATE
+    if token.startswith("x"):
+        return float(token[1:]) * sat if sat else None
+    return float(token)
+
+
+def main(argv=None) -> int:
+    args, server_args, srv = parse_args(argv)
+    if args.in_process_child:
+        in_process_child(*args.in_process_child)
+        return 0
+    t_start = time.monotonic()
+    budget_end = t_start + args.budget_s
+    in_tokens = [x for x in args.in_process_rates.split(",") if x] if not args.url else []
+    http_end = budget_end - (args.reserve_s if in_tokens else 0.0)  # HTTP phases leave the in-process run its time
+    work = args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    info = device_info()  # a child process: this one never imports jax (the server and the engine need the device)
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "device": info.get("device"),
+              "platform": info.get("platform"), "jax_version": info.get("jax"), "git_commit": git_commit(),
+              "python": sys.version.split()[0], "argv": sys.argv[1:], "server_args": server_args,
+              "client_procs": args.client_procs, "slo_s": args.slo_s, "in_range": args.in_range,
+              "out_range": args.out_range}
+    print(f"device {report['device']}  jax {report['jax_version']}  commit {report['git_commit'][:12]}", flush=True)
+    model_dir, adapter_dirs = srv.model, list(srv.adapter_dir)
+    if args.preset:
+        t = time.monotonic()
+        model_dir, adapters = prepare_preset(args.preset, work, args.n_adapters or 2000, args.distinct_adapters,
+                                             args.adapter_rank)
+        adapter_dirs.append(adapters)
+        server_args += ["--model", str(model_dir), "--adapter-dir", str(adapters)]
+        report["prepare_s"] = time.monotonic() - t
+    elif model_dir is None and args.url is None:  # the embedded demo: its dir for the vocabulary
+        from slora_jax.serve.demo import ensure_demo
+
+        model_dir, demo_adapters = ensure_demo("float32" if info.get("platform") == "cpu" else "bfloat16")
+        adapter_dirs.append(demo_adapters)
+    if model_dir is None:
+        raise SystemExit("--url needs --model DIR (its config.json gives the vocabulary of the token-id prompts)")
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    if srv.port is None:
+        server_args += ["--port", "0"]
+    ctx = multiprocessing.get_context("spawn")
+    pool = ctx.Pool(args.client_procs, initializer=_client_init)
+    proc = None
+    http_results, aiperf_results = [], []
+    try:
+        if args.url:
+            url = args.url.rstrip("/")
+        else:
+            t = time.monotonic()
+            log_path = work / "server.log"
+            allowed = adapter_dirs[0] if adapter_dirs else work
+            proc = ServerProcess(server_args, allowed, log_path, args.startup_timeout_s)
+            url = proc.url
+            report["server_startup_s"] = time.monotonic() - t
+            report["server_phases"] = startup_phases(proc.log_text())
+        base, names, max_len = served_models(url, srv.api_key)
+        names = names[:args.n_adapters] if args.n_adapters else names
+        report.update(base_model=base, n_adapters=len(names), max_model_len=max_len, vocab=vocab,
+                      adapter_dirs=[str(d) for d in adapter_dirs], model_dir=str(model_dir))
+        print(f"server {url}: base {base!r}, {len(names)} adapters in the trace, ready after "
+              f"{report.get('server_startup_s', 0):.0f} s {report.get('server_phases', {})}", flush=True)
+        warm = make_trace(WARM["n"], WARM["rate"], WARM["num"], in_range=tuple(args.in_range),
+                          out_range=tuple(args.out_range), seed=WARM["seed"])
+        run_http_trace(pool, args.client_procs, url, srv.api_key, trace_requests(warm, names[-WARM["n"]:], vocab),
+                       args.request_timeout_s)
+        sat = None
+        specs = {}
+        for token in [x for x in args.rates.split(",") if x]:
+            rate = resolve_rate(token, sat)
+            if rate is None or time.monotonic() > http_end:
+                print(f"skip {token}: {'no saturation measured' if rate is None else 'budget'}", flush=True)
+                continue
+            if token == "sat":
+                spec = trace_spec(f"S1-n{len(names)}-sat", len(names), rate, args.requests, 0, args.in_range,
+                                  args.out_range)
+            else:
+                spec = trace_spec(f"S1-n{len(names)}-R{rate:.2f}", len(names), rate,
+                                  max(int(rate * args.duration), 20), 99, args.in_range, args.out_range)
+            specs[token] = spec
+            reqs = trace_requests(make_spec_trace(spec), names, vocab)
+            records, clients = run_http_trace(pool, args.client_procs, url, srv.api_key, reqs,
+                                              args.request_timeout_s)
+            res = summarize(spec["name"], records, args.slo_s, clients) | {"rate": rate, "spec": spec, "as": token}
+            http_results.append(res)
+            if token == "sat":
+                sat = res["throughput_req_s"]
+            print_row("http", res)
+        if args.aiperf:
+            for token in [x for x in args.aiperf_rates.split(",") if x]:
+                if time.monotonic() > http_end:
+                    print(f"skip aiperf {token}: budget", flush=True)
+                    continue
+                spec = specs.get(token) or (trace_spec(f"S1-n{len(names)}-sat", len(names), SAT_RATE, args.requests,
+                                                       0, args.in_range, args.out_range) if token == "sat" else None)
+                if spec is None:
+                    rate = resolve_rate(token, sat)
+                    spec = trace_spec(f"S1-n{len(names)}-R{rate:.2f}", len(names), rate,
+                                      max(int(rate * args.duration), 20), 99, args.in_range, args.out_range)
+                reqs = trace_requests(make_spec_trace(spec), names, vocab)
+                res = run_aiperf(url, reqs, spec, mode=args.aiperf_mode, tokenizer=str(model_dir),
+                                 artifact_dir=work / f"aiperf-{token}", python=args.aiperf_python,
+                                 api_key=srv.api_key, timeout_s=max(60.0, budget_end - time.monotonic() + 120))
+                res["as"] = token
+                aiperf_results.append(res)
+                print(f"aiperf {token}: " + json.dumps({k: res.get(k) for k in ("throughput_req_s",
+                      "throughput_tok_s", "mean_first_token_s", "errors", "error")}), flush=True)
+        if proc is not None:
+            report["server_metrics"] = scrape_metrics(url, srv.api_key)
+            report["server_log_problems"] = proc.log_problems()[:20]
+    finally:
+        pool.close()
+        if proc is not None:
+            proc.close()
+    report["http"] = http_results
+    report["aiperf"] = aiperf_results
+    if in_tokens:
+        in_args = list(server_args)
+        if srv.pool_gb is None and srv.num_pages is None and "pool_pages" in report.get("server_phases", {}):
+            in_args += ["--num-pages", str(int(report["server_phases"]["pool_pages"]))]  # the server's very pool
+        in_specs = [specs[t] for t in in_tokens if t in specs]
+        left = budget_end - time.monotonic()
+        if in_specs and left > 30:
+            print(f"in-process engine on {[s['name'] for s in in_specs]} ...", flush=True)
+            report["in_process"] = run_in_process(in_args, in_specs, names, vocab, args, left, work)
+            for res in report["in_process"].get("results", []):
+                print_row("in-process", res)
+        else:
+            report["in_process"] = {"skipped": "budget" if in_specs else "no matching HTTP trace"}
+    report["comparison"] = compare(report)
+    report["wall_s"] = time.monotonic() - t_start
+    print(json.dumps(report["comparison"], indent=1), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+def print_row(who: str, r: dict) -> None:
+    ttft, itl = r.get("ttft_ms") or {}, r.get("itl_ms") or {}
+    print(f"{who:10s} {r['trace']:22s} fin {r['finished']:5d}/{r['requests']:<5d} {r['throughput_req_s']:7.2f} req/s "
+          f"{r['throughput_tok_s']:8.0f} tok/s  TTFT mean {1e3 * (r.get('mean_first_token_s') or 0):8.1f} ms "
+          f"p99 {ttft.get('p99', float('nan')):8.1f} ms  ITL p50 {itl.get('p50', float('nan')):6.1f}"
+          f" ms  SLO {r['slo_attainment']:.2f}  errors {r.get('errors', {})}", flush=True)
+
+
+def compare(report: dict) -> dict:
+    """The issue's acceptance figures, where this run measured them."""
+    out = {}
+    http = {r["as"]: r for r in report.get("http", [])}
+    ours = http.get("sat")
+    inproc = next((r for r in report.get("in_process", {}).get("results", []) if r["rate"] == SAT_RATE), None)
+    if ours and inproc:
+        out["http_over_in_process_sat"] = ours["throughput_req_s"] / max(inproc["throughput_req_s"], 1e-9)
+        out["http_over_in_process_sat_tok"] = ours["throughput_tok_s"] / max(inproc["throughput_tok_s"], 1e-9)
+    low = next((r for r in report.get("http", []) if r["as"].startswith("x")), None)
+    if low:
+        out["ttft_mean_ms_at_" + low["as"]] = (low["mean_first_token_s"] or 0) * 1e3
+    out["http_errors"] = sum(sum(r["errors"].values()) for r in report.get("http", []))
+    ai = next((r for r in report.get("aiperf", []) if r.get("as") == "sat" and "throughput_req_s" in r), None)
+    if ai and ours:
+        out["aiperf_over_ours_sat"] = ai["throughput_req_s"] / max(ours["throughput_req_s"], 1e-9)
+        out["aiperf_over_ours_sat_tok"] = (ai.get("throughput_tok_s") or 0) / max(ours["throughput_tok_s"], 1e-9)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The HTTP benchmark's bookkeeping (benchmarks/http_serving.py, benchmarks/aiperf_run.py): it must send the very
+requests the in-process benchmark serves, ask aiperf for our length window, and compute latencies as defined."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import aiperf_run  # noqa: E402
+import http_serving  # noqa: E402
+import serving  # noqa: E402
+from workload import make_trace  # noqa: E402
+
+
+class _RecordingEngine:
+    """Just enough of an Engine for serving.run_trace: records add_request and finishes nothing."""
+
+    def __init__(self):
+        self.added = []
+        self.store = self
+        self.last_plan = None
+
+    def stats(self):
+        return dict.fromkeys(("hits", "misses", "loads", "prefetch_loads", "staged_loads", "evictions",
+                              "host_loads"), 0)
+
+    def add_request(self, prompt, adapter, sampling, on_output=None):
+        self.added.append((list(prompt), adapter, sampling.max_tokens, sampling.ignore_eos))
+
+    def has_unfinished(self):
+        return False
+
+
+def test_http_requests_are_the_in_process_requests():
+    rng = np.random.default_rng()
+    n, vocab = int(rng.integers(3, 40)), int(rng.integers(50, 5000))
+    trace = make_trace(n, 2000.0, int(rng.integers(5, 30)), in_range=(3, 40), out_range=(2, 30),
+                       seed=int(rng.integers(1 << 30)))
+    names = [f"a{i}-{rng.integers(1 << 20)}" for i in range(n)]
+    engine = _RecordingEngine()
+    serving.run_trace(engine, "t", trace, names, vocab, budget_end=float("inf"))
+    reqs = http_serving.trace_requests(trace, names, vocab)
+    assert [(r.prompt_ids, r.adapter, r.max_tokens, True) for r in reqs] == engine.added
+    assert [r.arrival for r in reqs] == [t.arrival for t in trace]
+
+
+@pytest.mark.parametrize("lo_hi", [(8, 512), (8, 64), (1, 2), (100, 101), (3, 1000), (8, 513)])
+def test_aiperf_length_window_is_ours(lo_hi):
+    lo, hi = lo_hi
+    mean, r = aiperf_run.range_ratio(lo, hi)
+    # vLLM's random-range rule, as aiperf documents it for --random-corpus-style vllm
+    assert math.floor(mean * (1 - r)) == lo
+    assert math.ceil(mean * (1 + r)) in (hi, hi + 1)
+
+
+def test_latency_figures_from_token_times():
+    rng = np.random.default_rng()
+    records = []
+    for i in range(int(rng.integers(3, 12))):
+        arrival = float(rng.uniform(0, 5))
+        k = rng.integers(1, 4, size=int(rng.integers(2, 9)))  # tokens per chunk
+        times = arrival + np.cumsum(rng.uniform(0.001, 0.5, size=k.size))
+        gaps = [((times[j] - times[j - 1]) / k[j], int(k[j])) for j in range(1, k.size)]
+        records.append({"i": i, "arrival": arrival, "sent": arrival, "first": float(times[0]),
+                        "end": float(times[-1]), "tokens": int(k.sum()), "error": None, "gaps": gaps})
+    records.append({"i": 99, "arrival": 1.0, "sent": 1.0, "first": None, "end": None, "tokens": 0,
+                    "error": "http_503", "gaps": []})
+    res = http_serving.summarize("t", records, slo_s=0.25)
+    ok = records[:-1]
+    per_token = np.concatenate([np.full(k, g) for r in ok for g, k in r["gaps"]])
+    assert res["itl_ms"]["mean"] == pytest.approx(per_token.mean() * 1e3)
+    assert res["itl_ms"]["p90"] == pytest.approx(np.percentile(per_token, 90) * 1e3)
+    tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in ok]
+    assert res["tpot_ms"]["p50"] == pytest.approx(np.median(tpot) * 1e3)
+    elapsed = max(r["end"] for r in ok)
+    assert res["throughput_req_s"] == pytest.approx(len(ok) / elapsed)
+    assert res["throughput_tok_s"] == pytest.approx(sum(r["tokens"] for r in ok) / elapsed)
+    assert res["slo_attainment"] == pytest.approx(sum(r["first"] - r["arrival"] <= 0.25 for r in ok) / len(records))
+    assert res["errors"] == {"http_503": 1}
