@@ -52,6 +52,7 @@ def parse_args():
     p.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep of the headline decode case")
     p.add_argument("--pool-gib", type=float, default=8.0, help="pool size (>4 GiB exercises 64-bit addressing)")
     p.add_argument("--decode-table", action="store_true", help="only issue 14's decode rows: v1 vs fused kernels")
+    p.add_argument("--table-rows", type=int, default=None, help="with --decode-table: only the first N rows")
     return p.parse_args()
 
 
@@ -197,22 +198,27 @@ def reference_group(x, base, pool, row_slot, table, *, modules, max_rank):
                                group_dims(modules)[1])
 
 
-def layer_of(group_fn, **kw):
-    """All four groups, in model order: what one decoder layer launches (x and base are tuples, one per group)."""
+LAYER_REPEAT = 4  # layers per timing-loop iteration, chained (the model runs its layers back to back, unrolled)
+
+
+def layer_of(group_fn, repeat=LAYER_REPEAT, **kw):
+    """``repeat`` layers of all four groups in model order, each layer's outputs feeding the next (x and base are
+    tuples, one per group): the loop's own cost per iteration is shared by ``repeat`` layers."""
     fns = [functools.partial(group_fn, modules=m, **kw) for m in GROUPS.values()]
 
     def fn(xs, bases, *operands):
-        return tuple(f(x, b, *operands) for f, x, b in zip(fns, xs, bases, strict=True))
+        for _ in range(repeat):
+            outs = tuple(f(x, b, *operands) for f, x, b in zip(fns, xs, bases, strict=True))
+            xs = tuple(lax.dynamic_update_slice(x, o[:1, :1].astype(x.dtype), (0, 0))
+                       for x, o in zip(xs, outs, strict=True))
+            bases = outs
+        return bases
 
     return fn
 
 
-def empty_layer(xs, bases, *operands):
-    """The timing loop with nothing in it: its cost per iteration is in every other loop's time."""
-    return bases
-
-
-def empty_group(x, base, *operands):
+def empty_group(x, base, *operands, modules=None, max_rank=None):
+    """No LoRA at all: a timing loop of these measures the loop's own cost, which is in every other loop's time."""
     return base
 
 
@@ -494,7 +500,7 @@ def table_jobs(n, max_rank, pool, table, row_slot, rng):
     layer_args = (tuple(xs), tuple(bases), pool, row_slot, table)
     jobs["layer", "v1"] = (layer_of(v1_group, max_rank=max_rank), layer_args)
     jobs["layer", "auto"] = (layer_of(fused_group, max_rank=max_rank), layer_args)
-    jobs["layer", "empty"] = (empty_layer, layer_args)
+    jobs["layer", "empty"] = (layer_of(empty_group), layer_args)
     jobs["group", "empty"] = (empty_group, jobs["qkv", "v1"][1])
     return jobs, plans
 
@@ -523,8 +529,8 @@ def table_row(n, ranks, max_rank, pool, rng, copy_gbps) -> dict:
         for impl in list(groups[g]):
             if impl != "adapter_bytes":
                 groups[g][impl]["us"] = time_compiled(compiled[g, impl], jobs[g, impl][1]) * 1e6
-    layer = {impl: {"us": time_compiled(compiled["layer", impl], jobs["layer", impl][1]) * 1e6,
-                    "kernels": launches["layer", impl] - (0 if impl == "empty" else empty_launches)}
+    layer = {impl: {"us": time_compiled(compiled["layer", impl], jobs["layer", impl][1]) * 1e6 / LAYER_REPEAT,
+                    "kernels": (launches["layer", impl] - (0 if impl == "empty" else empty_launches)) / LAYER_REPEAT}
              for impl in ("v1", "auto", "empty")}
     io = sum(n * (group_dims(m)[0] * 2 + sum(group_dims(m)[1]) * 4) for m in GROUPS.values())
     floor_bytes = adapter_bytes(ranks, range(7)) + io
@@ -544,7 +550,7 @@ def table_row(n, ranks, max_rank, pool, rng, copy_gbps) -> dict:
 
 def decode_table(pool, rng, copy_gbps, t_start) -> list[dict]:
     out = []
-    for n, rank_set, max_rank in TABLE_ROWS:
+    for n, rank_set, max_rank in TABLE_ROWS[: ARGS.table_rows]:
         if time.perf_counter() - t_start > TABLE_DEADLINE_S:
             print(f"skipped batch {n} ranks {rank_set} max {max_rank}: past {TABLE_DEADLINE_S} s", flush=True)
             continue
@@ -566,14 +572,15 @@ def decode_table(pool, rng, copy_gbps, t_start) -> list[dict]:
     print("-" * len(head))
     for r in out:
         target = f"{r['target_us']:6.0f}" if r["target_us"] else f"{'':6s}"
-        ks = f"{r['layer']['v1']['kernels']}/{r['layer']['auto']['kernels']}"
+        ks = f"{r['layer']['v1']['kernels']:.0f}/{r['layer']['auto']['kernels']:.0f}"
         print(f"{r['rows']:5d} {str(r['ranks']):14s} {r['max_rank']:4d} {r['v1_sum_us']:8.1f} "
               f"{r['layer']['v1']['us']:8.1f} {r['auto_sum_us']:8.1f} {r['layer']['auto']['us']:8.1f} "
               f"{r['best_sum_us']:8.1f} {r['layer']['empty']['us']:6.1f} {r['floor_us']:7.1f} {target} "
               f"{r['est_sum_us']:6.1f} {ks:>7s} {r['worst_rel_err']:8.1e}")
-    print("(us per layer, all 7 projections; 'sum': four groups each in its own timing loop, as v1's table; "
-          "'layer': the four in one loop; 'best': the fastest fused plan per group; 'model': the plan's estimate; "
-          "'k': kernels per layer from the compiled HLO)")
+    print(f"(us per layer, all 7 projections; 'sum': four groups each in its own timing loop, as v1's table; "
+          f"'layer': {LAYER_REPEAT} chained layers per loop iteration, divided by {LAYER_REPEAT}; 'empty': the "
+          f"loop's own cost, likewise; 'best': the fastest fused plan per group; 'model': the plan's estimate; "
+          f"'k': kernels per layer from the compiled HLO)")
     return out
 
 
