@@ -22,8 +22,8 @@ from slora_jax.engine.grammar import (
     allowed_tokens,
     fill_masks,
     ll_tokenizer,
-    mask_words,
 )
+from slora_jax.engine.sampling import mask_words
 from slora_jax.tools.tokenizer import load_tokenizer, write_tokenizer
 
 VOCAB = 512
@@ -194,3 +194,13 @@ def test_parallel_masks_equal_serial_ones(compiler):
 def test_llguidance_tokenizer_is_cached_per_tokenizer(tokenizer):
     assert ll_tokenizer(tokenizer, VOCAB, (EOS,)) is ll_tokenizer(tokenizer, VOCAB, (EOS,))
     assert ll_tokenizer(tokenizer, 600, (EOS,)) is not ll_tokenizer(tokenizer, VOCAB, (EOS,))
+
+
+def test_a_fork_advances_on_its_own(compiler, tokenizer):
+    m = compiler.compile(GrammarSpec("regex", "(ab|ac)d"))
+    twin = m.fork()
+    np.testing.assert_array_equal(twin.mask(), m.mask())
+    assert twin.catch_up(tokenizer.encode("ab", add_special_tokens=False))
+    assert m.accepted == 0 and twin.accepted > 0
+    assert not np.array_equal(twin.mask(), m.mask())
+    assert twin.catch_up(tokenizer.encode("abd", add_special_tokens=False)) and twin.is_done() and not m.is_done()

@@ -32,6 +32,7 @@ from . import compile_counter
 from .adapter_store import AdapterStore
 from .config import EngineConfig, resolve_layer_loop
 from .detok import IncrementalDetokenizer
+from .grammar import GrammarMatcher, prepare_grammar_rows
 from .pool import PagedPool
 from .sampling import SamplingParams
 from .scheduler import RequestRejected, Scheduler
@@ -118,13 +119,15 @@ class Engine:
     def add_request(self, prompt_ids: list[int], adapter: str | None = None, sampling: SamplingParams | None = None,
                     request_id: str | None = None, on_output: Callable[[RequestOutput], None] | None = None,
                     watch_stop_strings: bool = True, tenant: str | None = None,
-                    first_token_slo_s: float | None = None) -> str:
+                    first_token_slo_s: float | None = None, grammar: GrammarMatcher | None = None) -> str:
         """Queue a request; raises ValueError (bad input; :class:`RequestRejected` names the field), KeyError
         (unknown adapter) or QueueFull. ``sampling.max_tokens=None`` means as many as fit.
 
         ``tenant``: whose service it counts towards under a fairness policy (default: its adapter).
         ``first_token_slo_s``: its first token is due this many seconds after now (default
         ``EngineConfig.first_token_slo_s``); with ``early_abort`` it is ended, not served late.
+        ``grammar``: a ``GrammarMatcher`` (engine/grammar.py; the request follows its own copy) the output must
+        match; the request stops when it is complete.
 
         ``watch_stop_strings=False``: the caller detokenizes the output itself and aborts on a stop string (the
         server does, off the engine thread), so the engine keeps no detokenizer for this request.
@@ -150,6 +153,7 @@ class Engine:
         now = time.monotonic()
         seq = Sequence(prompt_ids=[int(t) for t in prompt_ids], adapter=adapter, sampling=sampling,
                        on_output=on_output, arrival_time=now, tenant=tenant,
+                       grammar=None if grammar is None else grammar.fork(),
                        deadline=None if first_token_slo_s is None else now + first_token_slo_s)
         if request_id is not None:
             if request_id in self.requests:
@@ -234,6 +238,7 @@ class Engine:
         with an error and leaves the plan; the others run as if it had never been there. ``next_ids`` is None when
         no sequence is left."""
         failed = []
+        prepare_grammar_rows(plan.seqs, previous)  # masks; waits for the previous step if a grammar row needs it
         while plan.seqs:
             items = [self._item(seq, plan.kind) for seq in plan.seqs]
             try:
@@ -295,15 +300,16 @@ class Engine:
         return outputs
 
     def _item(self, seq: Sequence, kind: str) -> StepItem:
+        mask = seq.grammar.mask() if seq.grammar is not None else None
         if kind == "prefill":
             start = seq.num_cached  # > 0 when a cached prompt prefix is shared: only the rest is computed
             return StepItem(tokens=seq.all_ids[start:], start=start, pages=seq.kv_pages,
                             adapter_slot=seq.adapter_slot, sampling=seq.sampling, seed=seq.seed,
-                            counter=seq.num_generated)
+                            counter=seq.num_generated, token_mask=mask)
         on_device = seq.inflight >= 0
         return StepItem(tokens=[0 if on_device else seq.all_ids[-1]], start=seq.num_tokens - 1, pages=seq.kv_pages,
                         adapter_slot=seq.adapter_slot, sampling=seq.sampling, seed=seq.seed,
-                        counter=seq.num_generated, token_src=seq.inflight)
+                        counter=seq.num_generated, token_src=seq.inflight, token_mask=mask)
 
     def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         if not self.scheduler.on_token(seq, now):  # early abort: a first token past its deadline is not served
@@ -311,8 +317,10 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.output_ids.append(token)
+        if seq.grammar is not None and not seq.grammar.catch_up(seq.output_ids):
+            return self._finish(seq, "error", f"{INVALID_REQUEST}: its grammar failed ({seq.grammar.error})", "request")
         sp = seq.sampling
-        reason = None
+        reason = "stop" if seq.grammar is not None and seq.grammar.is_done() else None
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.cfg.eos_token_id):
             reason = "stop"
         elif seq.detok is not None:

@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .sampling import mask_words
+
 MASK_BITS = 32  # a mask row is int32 words; bit j of word w allows token 32 * w + j
 # Defaults for JSON schemas: no free whitespace between tokens (a sampled run of spaces or newlines would never end
 # an object), compact separators. A schema's own "x-guidance" options override these.
@@ -29,11 +31,6 @@ LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_it
               verbose_errors=False)
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
-
-
-def mask_words(vocab_size: int) -> int:
-    """int32 words in one row of a token mask over ``vocab_size`` tokens."""
-    return -(-vocab_size // MASK_BITS)
 
 
 class GrammarError(ValueError):
@@ -158,6 +155,13 @@ class GrammarMatcher:
         self._mask: np.ndarray | None = None  # the mask for token number ``accepted`` (None: not computed yet)
         self.error: str | None = None
 
+    def fork(self) -> GrammarMatcher:
+        """An independent copy in the same state (microseconds: the compiled grammar is shared), so one compile can
+        serve several requests (``n`` samples) and a caller's matcher is never advanced behind its back."""
+        twin = GrammarMatcher(self.matcher.deep_copy(), self.vocab_size, self.eos_token_ids)
+        twin.accepted, twin.error, twin._mask = self.accepted, self.error, self._mask  # masks are never written
+        return twin
+
     def fill_mask(self, out: np.ndarray) -> None:
         """Write the next token's mask into ``out`` (int32 [words], C-contiguous). A matcher in error allows only
         EOS, so its step samples a harmless token and the engine ends the request at :meth:`catch_up`."""
@@ -248,3 +252,21 @@ def allowed_tokens(mask: np.ndarray, vocab_size: int) -> np.ndarray:
     """Token ids a mask row allows (for tests and debugging)."""
     bits = np.unpackbits(np.ascontiguousarray(mask, np.int32).view(np.uint8), bitorder="little")[:vocab_size]
     return np.flatnonzero(bits)
+
+
+def prepare_grammar_rows(seqs: list, previous) -> None:
+    """Before a step over ``seqs`` is built: each sequence with a grammar gets its next token's mask ready.
+
+    Decode is pipelined (a row's input token may still be on the device, ``seq.inflight`` its row in the previous
+    step's output ``previous[2]``), but a mask needs that token accepted first. So when a grammar row has one in
+    flight, this waits for the previous step and accepts it early (``catch_up`` counts it once when it is appended).
+    Steps without grammar rows are untouched: the host-device overlap is lost only while grammars run."""
+    rows = [s for s in seqs if s.grammar is not None]
+    if not rows:
+        return
+    pending = [s for s in rows if s.inflight >= 0]
+    if pending and previous is not None:
+        tokens = np.asarray(previous[2])  # blocks until the previous step is done (jax keeps the host copy)
+        for s in pending:
+            s.grammar.catch_up([*s.output_ids, int(tokens[s.inflight])])
+    fill_masks([s.grammar for s in rows])

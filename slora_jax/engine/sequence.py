@@ -55,6 +55,7 @@ class Sequence:
     deadline: float | None = None  # time.monotonic() by which its first token is due (SLO); None: no deadline
     admit_time: float | None = None  # when admission last took it (its prefill step was built then)
     detok: Any = None  # IncrementalDetokenizer when stop strings must be watched
+    grammar: Any = None  # GrammarMatcher when the output must match a grammar (structured output)
 
     @property
     def all_ids(self) -> list[int]:
