@@ -144,9 +144,10 @@ class PagedPool:
                                     a_off=((n_slots, n_layers, n_mod), jnp.int32),
                                     b_off=((n_slots, n_layers, n_mod), jnp.int32),
                                     scale=((n_slots, n_layers, n_mod), jnp.float32))
-        if tp is None:
-            self.array: jax.Array = jnp.zeros(shape, self.dtype)
-            self.table: AdapterTable = AdapterTable(*(jnp.zeros(s, d) for s, d in table_shapes))
+        if tp is None:  # committed to the device, as every step's outputs are: warm-up compiles what serving runs
+            device = jax.devices()[0]
+            self.array: jax.Array = jnp.zeros(shape, self.dtype, device=device)
+            self.table: AdapterTable = AdapterTable(*(jnp.zeros(s, d, device=device) for s, d in table_shapes))
             self._write_pages = _write_pages
         else:  # pages sharded by their vector lanes, the table replicated, page scatters local to each device
             self.array = tp.zeros(shape, self.dtype, POOL_SPEC)
