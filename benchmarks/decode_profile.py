@@ -138,9 +138,9 @@ def main() -> None:
     variant = lora_variant(eng.pool.slot_modules[slots].any(axis=0))  # what the engine would run
 
     def full(variant=variant):
-        tok, state["pool"] = runner.step_fn("decode", variant)(layout, eng.params, state["pool"], eng.pool.table,
-                                                               packed, prev)
-        return tok
+        out, runner.penalty_state, state["pool"] = runner.step_fn("decode", variant)(
+            layout, eng.params, state["pool"], eng.pool.table, packed, prev, runner.penalty_state)
+        return out.tokens
 
     def timed(fn, iters):
         fn().block_until_ready()  # compile + first run
@@ -152,7 +152,7 @@ def main() -> None:
 
     t_compile = time.perf_counter()
     comp = runner.step_fn("decode", variant).lower(layout, eng.params, state["pool"], eng.pool.table, packed,
-                                                   prev).compile()
+                                                   prev, runner.penalty_state).compile()
     t_compile = time.perf_counter() - t_compile
     mem = comp.memory_analysis()
     temp_mib = mem.temp_size_in_bytes / 2**20 if mem is not None else float("nan")

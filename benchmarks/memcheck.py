@@ -45,7 +45,7 @@ def main() -> None:
         build = eng.runner.build_decode if kind == "decode" else eng.runner.build_prefill
         packed, layout = pack_inputs(*build([item]))
         comp = eng.runner.step_fn(kind).lower(layout, eng.params, eng.pool.array, eng.pool.table, packed,
-                                              eng.runner._no_prev).compile()
+                                              eng.runner._no_prev, eng.runner.penalty_state).compile()
         ma = comp.memory_analysis()
         ops = collections.Counter()
         for line in comp.as_text().split("\n"):

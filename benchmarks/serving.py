@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/serving.py --out serving.json          # Llama-2-7B shapes, random weights
     PYTHONPATH=. python benchmarks/serving.py --tiny                       # CPU smoke run
+    PYTHONPATH=. python benchmarks/serving.py --only S1-qkvo-n5-sat --no-latency --logprobs off,5   # logprobs cost
 
 One engine (compiled once, max rank 64) runs a list of traces back to back, each with its own fresh set of
 synthetic adapters: S1 (rank 8) and S2 (ranks 64/32/16/8 round-robin), LoRA on q,k,v,o (as S-LoRA) or all 7
@@ -58,8 +59,9 @@ def random_params(cfg, dtype, seed=0):
             "norm": {"weight": jnp.ones((H,), dtype)}, "lm_head": lin((H, cfg.vocab_size))}
 
 
-def run_trace(engine, name, trace, adapter_names, vocab, budget_end, slo_s=6.0):
-    """Replay ``trace`` in real time against the engine; per-request and per-step records."""
+def run_trace(engine, name, trace, adapter_names, vocab, budget_end, slo_s=6.0, logprobs=None):
+    """Replay ``trace`` in real time against the engine; per-request and per-step records. ``logprobs``: every
+    request asks for its tokens' logprobs and this many top alternatives (None: no logprobs)."""
     from slora_jax.engine.sampling import SamplingParams
 
     rng = __import__("numpy").random.default_rng(1)
@@ -87,7 +89,8 @@ def run_trace(engine, name, trace, adapter_names, vocab, budget_end, slo_s=6.0):
             d = {"arrival": r.arrival, "first": None, "end": None, "tokens": 0, "out": r.output_len}
             prompt = rng.integers(3, vocab, size=r.prompt_len).tolist()
             engine.add_request(prompt, adapter_names[r.adapter],
-                               SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True),
+                               SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True,
+                                              logprobs=logprobs),
                                on_output=lambda out, d=d: on_output(out, d))
             info[id(d)] = d
         if not engine.has_unfinished():
@@ -138,6 +141,9 @@ def main() -> None:
     ap.add_argument("--latency-s", type=float, default=40.0, help="length of the set-rate latency trace")
     ap.add_argument("--no-latency", action="store_true", help="skip the set-rate latency trace")
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
+    ap.add_argument("--logprobs", default="off",
+                    help="comma list of 'off' or top-logprob counts: each saturation trace runs once per setting, "
+                         "every request asking for that many (e.g. off,5: the cost of logprobs)")
     ap.add_argument("--xla-flag", action="append", default=[],
                     help="extra XLA flag for this run, e.g. --xla-flag=--xla_gpu_enable_dynamic_slice_fusion=true")
     args = ap.parse_args()
@@ -196,6 +202,11 @@ def main() -> None:
     plans.append((f"S1-all7-n{ns2[-1]}-sat", "S1", ns2[-1], ALL7, 1000.0, n_req))
     if args.only:
         plans = [p for p in plans if re.search(args.only, p[0])]
+    lp_settings = [None if v.strip() == "off" else int(v) for v in args.logprobs.split(",")]
+    if lp_settings != [None]:  # each trace once per setting, named by it
+        plans = [(f"{p[0]}-lp{'off' if lp is None else lp}", *p[1:], lp) for p in plans for lp in lp_settings]
+    else:
+        plans = [(*p, None) for p in plans]
     results, all_steps = [], []
     budget_end = t_start + args.budget_s
     # an untimed trace first, so one-time costs (first dispatches, allocator growth, IO threads) hit no measurement
@@ -205,7 +216,7 @@ def main() -> None:
     run_trace(engine, "warm", make_trace(4, 1000.0, 16, in_range=in_range, out_range=in_range, seed=7), warm_names,
               cfg.vocab_size, budget_end)
     sat_rate = None
-    for name, setting, n, targets, rate, num in plans:
+    for name, setting, n, targets, rate, num, logprobs in plans:
         if time.monotonic() > budget_end - 20:
             print(f"skip {name}: budget", flush=True)
             continue
@@ -218,7 +229,7 @@ def main() -> None:
             names.append(an)
         trace = make_trace(n, rate, num, alpha=1.0, cv=1.0, in_range=in_range, out_range=in_range,
                            seed=0)  # the same lengths and arrivals for every n: only adapters differ
-        res, steps = run_trace(engine, name, trace, names, cfg.vocab_size, budget_end)
+        res, steps = run_trace(engine, name, trace, names, cfg.vocab_size, budget_end, logprobs=logprobs)
         mean_rank = float(np.mean(ranks))
         dec = [s for s in steps if s["batch"] >= (64 if not args.tiny else 4) and s["kind"] == "decode"]
         if dec:
@@ -228,7 +239,7 @@ def main() -> None:
             res["decode_step_ms_median"] = float(np.median([s["t"] for s in dec]) * 1e3)
             res["decode_roofline_ms_median"] = float(np.median(roof) * 1e3)
             res["decode_over_roofline"] = float(np.median([s["t"] / r for s, r in zip(dec, roof, strict=True)]))
-        res.update(setting=setting, n_adapters=n, targets=len(targets), rate=rate)
+        res.update(setting=setting, n_adapters=n, targets=len(targets), rate=rate, logprobs=logprobs)
         results.append(res)
         all_steps.append({"trace": name, "steps": steps[:4000]})
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)

@@ -89,7 +89,7 @@ def test_same_seed_and_counter_repeat_and_counters_differ():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-3),
-                                 dict(max_tokens=0), dict(seed=-1), dict(stop=("",)), dict(temperature=float("nan")),
+                                 dict(max_tokens=-1), dict(seed=-1), dict(stop=("",)), dict(temperature=float("nan")),
                                  dict(seed=2**63), dict(top_k=1.5), dict(top_k=True), dict(top_p=float("inf")),
                                  dict(stop=("s",) * (MAX_STOP_STRINGS + 1)),
                                  dict(stop=("s" * (MAX_STOP_STRING_CHARS + 1),)),

@@ -23,16 +23,17 @@ import numpy as np
 
 from pallas_kernels.backends import get_backend
 
-from ..lora.peft import AdapterError
 from ..model.config import ModelConfig
 from ..model.params import stack_layer_params, unstack_layer_params
 from ..model.params_checkpoint import load_serving_params
 from ..model.sharding import TensorParallel
-from . import compile_counter
+from . import compile_counter, offline
 from .adapter_store import AdapterStore
 from .config import EngineConfig, resolve_layer_loop
 from .detok import IncrementalDetokenizer
 from .grammar import GrammarMatcher, prepare_grammar_rows
+from .logprobs import StepLogprobs
+from .penalties import PenaltyRows
 from .pool import PagedPool
 from .sampling import SamplingParams
 from .scheduler import RequestRejected, Scheduler
@@ -92,6 +93,7 @@ class Engine:
                                   max_host_adapters=ecfg.max_cpu_loras, max_staged=ecfg.max_staged_adapters)
         self.scheduler = Scheduler(ecfg, self.pool, self.store)
         self.runner = StepRunner(cfg, ecfg, interpret=interpret, tp=self.tp)
+        self.penalty_rows = PenaltyRows(ecfg.max_batch_size)  # rows of runner.penalty_state
         self.requests: dict[str, Sequence] = {}
         self.warm_compiles: int | None = None
         self.num_steps = 0
@@ -99,7 +101,8 @@ class Engine:
         self.last_timing: StepTiming | None = None
         self.time_in = dict.fromkeys(StepTiming._fields, 0.0)  # cumulative host seconds per step phase
         # dispatched, tokens not read yet: (sequences, their rows in the output, token ids on the device)
-        self._inflight: tuple[list[Sequence], list[int], jax.Array] | None = None
+        self._inflight: tuple[list[Sequence], list[int], jax.Array, StepLogprobs | None] | None = None
+        self._step_logprobs: StepLogprobs | None = None  # of the step _dispatch just queued
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, ecfg: EngineConfig, adapters: dict[str, str | Path] | None = None,
@@ -138,8 +141,9 @@ class Engine:
             raise RequestRejected(f"prompt token ids must be in [0, {self.cfg.vocab_size})", "prompt")
         self.scheduler.check_prompt(len(prompt_ids))
         sampling = (sampling or SamplingParams()).validate()  # the context limit: check_request below
-        if any(t >= self.cfg.vocab_size for t in sampling.stop_token_ids):
-            raise RequestRejected(f"stop_token_ids must be in [0, {self.cfg.vocab_size})", "stop_token_ids")
+        for field, t in sampling.token_ids_to_check():
+            if t >= self.cfg.vocab_size:
+                raise RequestRejected(f"{field} token ids must be in [0, {self.cfg.vocab_size})", field)
         if adapter is not None and adapter not in self.store:
             raise KeyError(f"unknown adapter {adapter!r}")
         max_tokens = self.scheduler.check_request(len(prompt_ids), sampling.max_tokens, adapter)
@@ -216,7 +220,7 @@ class Engine:
         if plan is not None:
             for row, seq in enumerate(plan.seqs):
                 seq.inflight = row
-            self._inflight = (plan.seqs, list(range(len(plan.seqs))), next_ids)
+            self._inflight = (plan.seqs, list(range(len(plan.seqs))), next_ids, self._step_logprobs)
             self._prefetch_head()
         t3 = time.perf_counter()
         t4 = t3
@@ -224,7 +228,7 @@ class Engine:
             tokens = np.asarray(previous[2])  # waits for the previous step (this one is queued behind it)
             t4 = time.perf_counter()
             try:
-                outputs += self._drain(previous[0], previous[1], tokens)
+                outputs += self._drain(previous[0], previous[1], tokens, previous[3])
             finally:
                 self._record_timing((t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4))
         else:
@@ -251,6 +255,7 @@ class Engine:
                     lora = lora_variant(self.pool.slot_modules[slots].any(axis=0))
                     next_ids, self.pool.array = self.runner.decode(self.params, self.pool.array, self.pool.table,
                                                                    items, prev_ids, lora=lora)
+                self._step_logprobs = StepLogprobs.of_step(self.runner.last_output, plan.seqs, items)
                 return next_ids, failed
             except StepInputError as e:
                 bad = [plan.seqs[i] for i in e.rows]
@@ -281,7 +286,8 @@ class Engine:
         for name, value in zip(StepTiming._fields, phases, strict=True):
             self.time_in[name] += value
 
-    def _drain(self, seqs: list[Sequence], rows: list[int], tokens: np.ndarray) -> list[RequestOutput]:
+    def _drain(self, seqs: list[Sequence], rows: list[int], tokens: np.ndarray,
+               logprobs: StepLogprobs | None = None) -> list[RequestOutput]:
         """Append a dispatched step's tokens, read back (sequences ended meanwhile drop theirs). Every token is
         appended even if a callback raises; the first callback error is raised at the end."""
         now = time.monotonic()
@@ -292,7 +298,8 @@ class Engine:
             if seq.status == Status.RUNNING:
                 seq.num_cached = len(seq.prompt_ids) + len(seq.output_ids)  # K/V this step wrote
             try:
-                outputs.append(self._append(seq, int(tokens[row]), now))
+                token = int(tokens[row])
+                outputs.append(self._append(seq, token, now, logprobs and logprobs.row(row, token, seq)))
             except Exception as e:  # noqa: BLE001 - a caller's callback; the other sequences must still advance
                 error = error or e
         if error is not None:
@@ -305,13 +312,19 @@ class Engine:
             start = seq.num_cached  # > 0 when a cached prompt prefix is shared: only the rest is computed
             return StepItem(tokens=seq.all_ids[start:], start=start, pages=seq.kv_pages,
                             adapter_slot=seq.adapter_slot, sampling=seq.sampling, seed=seq.seed,
-                            counter=seq.num_generated, token_mask=mask)
+                            counter=seq.num_generated, token_mask=mask, prompt_len=len(seq.prompt_ids),
+                            penalty_row=self.penalty_rows.row_for_prefill(seq),
+                            prompt_logprobs=seq.sampling.prompt_logprobs is not None and seq.prompt_logprobs is None)
         on_device = seq.inflight >= 0
         return StepItem(tokens=[0 if on_device else seq.all_ids[-1]], start=seq.num_tokens - 1, pages=seq.kv_pages,
                         adapter_slot=seq.adapter_slot, sampling=seq.sampling, seed=seq.seed,
-                        counter=seq.num_generated, token_src=seq.inflight, token_mask=mask)
+                        counter=seq.num_generated, token_src=seq.inflight, token_mask=mask,
+                        penalty_row=seq.penalty_row)
 
-    def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+    def _append(self, seq: Sequence, token: int, now: float, logprobs: tuple | None = None) -> RequestOutput:
+        token_lp, prompt_lp = logprobs or (None, None)  # what StepLogprobs.row read, if the request asked
+        if seq.sampling.max_tokens == 0:  # prefill only (for the prompt logprobs): its sampled token is not served
+            return self._finish(seq, "length", prompt_logprobs=prompt_lp)
         if not self.scheduler.on_token(seq, now):  # early abort: a first token past its deadline is not served
             return self._finish(seq, "error", self.scheduler.deadline_message(seq, now), "deadline")
         if seq.first_token_time is None:
@@ -333,15 +346,16 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
         text = seq.detok.take(final=reason is not None) if seq.detok is not None else ""
-        out = RequestOutput(seq.request_id, [token], reason is not None, reason, text=text)
+        out = RequestOutput(seq.request_id, [token], reason is not None, reason, text=text, prompt_logprobs=prompt_lp,
+                            logprobs=None if token_lp is None else [token_lp])
         if seq.on_output is not None:
             seq.on_output(out)  # may raise: the token is already appended
         return out
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None,
-                error_kind: str | None = None) -> RequestOutput:
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, error_kind: str | None = None,
+                **fields) -> RequestOutput:
         self.scheduler.finish(seq, reason)
-        out = RequestOutput(seq.request_id, [], True, reason, error=error, error_kind=error_kind)
+        out = RequestOutput(seq.request_id, [], True, reason, error=error, error_kind=error_kind, **fields)
         if seq.on_output is not None:
             seq.on_output(out)
         return out
@@ -443,34 +457,12 @@ class Engine:
     def generate(self, prompts: list[list[int]], adapters: list[str | None] | None = None,
                  sampling: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
         """Offline batch: every prompt's generated token ids (errors raise)."""
-        adapters = adapters or [None] * len(prompts)
-        samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        ids = [self.add_request(p, a, s) for p, a, s in zip(prompts, adapters, samplings, strict=True)]
-        while self.has_unfinished():
-            self.step()
-        seqs = [self.requests.pop(rid) for rid in ids]
-        for seq in seqs:
-            if seq.finish_reason == "error":
-                raise AdapterError(seq.adapter or "?", seq.error or "failed")
-        return [seq.output_ids for seq in seqs]
+        return offline.generate(self, prompts, adapters, sampling)
 
     def stream(self, prompt_ids: list[int], adapter: str | None = None,
                sampling: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Run one request to the end (driving the engine), yielding its outputs as they come."""
-        got: list[RequestOutput] = []
-        rid = self.add_request(prompt_ids, adapter, sampling, on_output=got.append)
-        finished = False
-        try:
-            while not finished:
-                self.step()
-                while got and not finished:
-                    out = got.pop(0)
-                    finished = out.finished
-                    yield out
-        finally:
-            if not finished:  # the consumer stopped early: free the request's pages and adapter pin
-                self.abort(rid)
-            self.requests.pop(rid, None)
+        return offline.stream(self, prompt_ids, adapter, sampling)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (servers call this once its output is delivered)."""

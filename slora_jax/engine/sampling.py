@@ -19,13 +19,16 @@ INT32_MAX = 2**31 - 1
 # keep no token at all; any top_p this small keeps only the most likely token, i.e. it is greedy, and so is the floor
 # (the top token's probability is at least 1 / vocab > 1e-6 for every vocabulary below a million entries).
 TOP_P_FLOOR = 1e-6
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit; its completions stop at 5)
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request; the prefill step carries this many per sequence
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings, OpenAI/vLLM names. temperature 0 = greedy."""
 
-    max_tokens: int | None = 16  # None: as many as fit (the engine resolves it at add_request)
+    max_tokens: int | None = 16  # None: as many as fit (the engine resolves it at add_request); 0: prefill only
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1 = off
     top_p: float = 1.0
@@ -33,12 +36,25 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # per generated token: its log-prob and this many top alternatives; None = off
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo); None = off
+    presence_penalty: float = 0.0  # OpenAI: minus this from a token's logit once it was generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this per time a token was generated
+    repetition_penalty: float = 1.0  # vLLM/HF: tokens in prompt or output: positive logits / p, negative * p
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), OpenAI's logit_bias
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+
+    @property
+    def needs_penalty_row(self) -> bool:
+        """Whether the step must keep this request's token counts and bias on the device (``penalties.py``)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     def validate(self, max_model_len: int | None = None) -> SamplingParams:
         """Raise ValueError with a clear message for values we will not serve. A top_k beyond the vocabulary is
         valid (it keeps every token, like 0)."""
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if max_model_len is not None and self.max_tokens is not None and self.max_tokens > max_model_len:
             raise ValueError(f"max_tokens {self.max_tokens} exceeds the model's context of {max_model_len} tokens")
         if not _is_real(self.temperature) or not 0.0 <= self.temperature <= 100.0:
@@ -60,7 +76,37 @@ class SamplingParams:
             raise ValueError("stop must be non-empty strings")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
             raise ValueError(f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+        self._validate_logprobs_and_penalties()
         return self
+
+    def _validate_logprobs_and_penalties(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got "
+                             f"{self.repetition_penalty!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias holds {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are accepted")
+        ids = [t for t, _ in self.logit_bias]
+        if any(not _is_int(t) or not 0 <= t <= INT32_MAX for t in ids) or len(set(ids)) != len(ids):
+            raise ValueError("logit_bias keys must be distinct token ids (non-negative integers)")
+        if any(not _is_real(b) or not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be numbers in [-100, 100]")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+
+    def token_ids_to_check(self) -> list[tuple[str, int]]:
+        """(field, token id) of every id the request names, for the engine's vocabulary check."""
+        return ([("stop_token_ids", t) for t in self.stop_token_ids]
+                + [("logit_bias", t) for t, _ in self.logit_bias])
 
 
 def _is_int(x) -> bool:
@@ -74,7 +120,7 @@ def _is_real(x) -> bool:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingArrays:
-    """Per-row sampler inputs, [B] each; padding rows are greedy."""
+    """Per-row sampler inputs, [B] each unless noted; padding rows are greedy, unpenalised and unconstrained."""
 
     temperature: jax.Array  # float32
     top_k: jax.Array  # int32, 0 = off
@@ -84,6 +130,16 @@ class SamplingArrays:
     # int32 [B, mask_words(V)]: bit j of word w set = token 32 * w + j may be sampled (llguidance's and xgrammar's
     # packed bitmask layout); every bit set for unconstrained and padding rows
     token_mask: jax.Array
+    # penalties (penalties.py): the row's counts/bias row in the device state (-1: none), its three penalties, and
+    # (prefill) its prompt length plus its logit_bias entries ([B, NB]: NB = MAX_LOGIT_BIAS in prefill steps, 0 in
+    # decode steps, whose rows' bias is already in the state; unused entries have id -1)
+    penalty_row: jax.Array  # int32
+    presence: jax.Array  # float32
+    frequency: jax.Array  # float32
+    repetition: jax.Array  # float32
+    prompt_len: jax.Array  # int32
+    bias_ids: jax.Array  # int32 [B, NB]
+    bias_values: jax.Array  # float32 [B, NB]
 
 
 def mask_words(vocab_size: int) -> int:
@@ -92,13 +148,20 @@ def mask_words(vocab_size: int) -> int:
 
 
 def sampling_arrays(params: list[SamplingParams | None], seeds: list[int], counters: list[int], rows: int,
-                    vocab_size: int, masks: list[np.ndarray | None] | None = None) -> dict[str, np.ndarray]:
+                    vocab_size: int, masks: list[np.ndarray | None] | None = None, *, eos_ids: tuple[int, ...] = (),
+                    penalty_rows: list[int] | None = None, prompt_lens: list[int] | None = None,
+                    bias_entries: int = 0) -> dict[str, np.ndarray]:
     """Numpy inputs for ``rows`` rows (padded); ``seeds`` are already resolved per request. Values are brought into
     what the step holds: top_k beyond int32 is off anyway (the device clamps it to the vocabulary), a top_p that
     float32 would flush to 0 is raised to :data:`TOP_P_FLOOR` (both greedy).
 
     ``masks[i]`` (None: unconstrained) is row i's allowed tokens as a packed bitmask (see ``SamplingArrays``): any
-    4-byte integer dtype, ``mask_words(vocab_size)`` words; bits past the vocabulary are ignored."""
+    4-byte integer dtype, ``mask_words(vocab_size)`` words; bits past the vocabulary are ignored. A row short of its
+    ``min_tokens`` also has ``eos_ids`` (unless it ignores EOS) and its stop_token_ids taken out, unless that would
+    leave its own mask nothing (a grammar that must end now wins over min_tokens).
+
+    ``penalty_rows[i]`` (-1: none) is row i's row in the penalty state; ``prompt_lens`` and ``bias_entries`` (the
+    logit_bias capacity per row, 0 in decode steps) only matter in prefill steps, which fill that state."""
     words = mask_words(vocab_size)
     token_mask = np.full((rows, words), -1, np.int32)
     for i, m in enumerate(masks or ()):
@@ -109,12 +172,44 @@ def sampling_arrays(params: list[SamplingParams | None], seeds: list[int], count
     top_p = np.ones(rows, np.float32)
     seed = np.zeros(rows, np.uint32)
     counter = np.zeros(rows, np.int32)
+    pen = dict(penalty_row=np.full(rows, -1, np.int32), presence=np.zeros(rows, np.float32),
+               frequency=np.zeros(rows, np.float32), repetition=np.ones(rows, np.float32),
+               prompt_len=np.zeros(rows, np.int32), bias_ids=np.full((rows, bias_entries), -1, np.int32),
+               bias_values=np.zeros((rows, bias_entries), np.float32))
     for i, p in enumerate(params):
         if p is None:
             continue
         temp[i], top_k[i], top_p[i] = p.temperature, min(max(p.top_k, 0), INT32_MAX), max(p.top_p, TOP_P_FLOOR)
         seed[i], counter[i] = (seeds[i] ^ (seeds[i] >> 32)) & 0xFFFFFFFF, counters[i]  # 64-bit seeds: fold the top
-    return dict(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, counter=counter, token_mask=token_mask)
+        if counters[i] < p.min_tokens:
+            _forbid(token_mask[i], p.stop_token_ids + (() if p.ignore_eos else tuple(eos_ids)), vocab_size)
+        row = -1 if penalty_rows is None else penalty_rows[i]
+        if row >= 0:
+            pen["penalty_row"][i], pen["prompt_len"][i] = row, 0 if prompt_lens is None else prompt_lens[i]
+            pen["presence"][i], pen["frequency"][i] = p.presence_penalty, p.frequency_penalty
+            pen["repetition"][i] = p.repetition_penalty
+            n = min(len(p.logit_bias), bias_entries)
+            if n:
+                pen["bias_ids"][i, :n], pen["bias_values"][i, :n] = zip(*p.logit_bias[:n], strict=True)
+    return dict(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, counter=counter, token_mask=token_mask,
+                **pen)
+
+
+def _forbid(row: np.ndarray, token_ids: tuple[int, ...], vocab_size: int) -> None:
+    """Clear ``token_ids``' bits in one packed mask row, unless that leaves no token allowed."""
+    ids = np.asarray([t for t in token_ids if 0 <= t < vocab_size], np.int64)
+    if not len(ids):
+        return
+    words = row.view(np.uint32)
+    kept = words.copy()
+    np.bitwise_and.at(kept, ids // 32, ~(np.uint32(1) << (ids % 32).astype(np.uint32)))
+    if _any_allowed(kept, vocab_size):
+        words[:] = kept
+
+
+def _any_allowed(words: np.ndarray, vocab_size: int) -> bool:
+    full, rest = divmod(vocab_size, 32)
+    return bool(words[:full].any() or (rest and words[full] & np.uint32((1 << rest) - 1)))
 
 
 def _packed_mask(mask: np.ndarray, words: int) -> np.ndarray:

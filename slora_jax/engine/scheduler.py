@@ -209,7 +209,9 @@ class Scheduler:
                 break
             if not self.policy.may_take_slot(seq, ecfg.max_batch_size - len(self.running) - len(batch)):
                 continue
-            shared = self.prefix_cache.match(seq.adapter, seq.prompt_ids) if self.prefix_cache else []
+            # a prefill that must compute every prompt token (prompt logprobs, penalties) shares nothing
+            cache = None if seq.needs_whole_prompt else self.prefix_cache
+            shared = cache.match(seq.adapter, seq.prompt_ids) if cache else []
             worst = self.worst_case_pages(seq) - len(shared)  # shared pages are counted once, by the cache
             adapter_pages = self.store.pages_needed_to_load(seq.adapter) if seq.adapter else 0
             if worst + adapter_pages > self.obtainable_pages():

@@ -8,6 +8,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
+from .logprobs import TokenLogprob
 from .sampling import SamplingParams
 
 _ids = itertools.count()
@@ -30,6 +31,9 @@ class RequestOutput:
     error: str | None = None
     text: str = ""  # new text, when the request has stop strings and the engine a tokenizer
     error_kind: str | None = None  # with finish_reason "error": "adapter", "request", "deadline" (whose fault)
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
+    # with the request's first output, when it asked for prompt logprobs: one per prompt token, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -55,11 +59,20 @@ class Sequence:
     deadline: float | None = None  # time.monotonic() by which its first token is due (SLO); None: no deadline
     admit_time: float | None = None  # when admission last took it (its prefill step was built then)
     detok: Any = None  # IncrementalDetokenizer when stop strings must be watched
+    penalty_row: int = -1  # its row in the step's penalty state (penalties.py); -1: none
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once computed (sampling.prompt_logprobs set)
     grammar: Any = None  # GrammarMatcher when the output must match a grammar (structured output)
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def needs_whole_prompt(self) -> bool:
+        """Its next prefill must compute every prompt token, so no cached prefix may be used: its prompt logprobs
+        are still to come, or its penalties need the prompt's tokens in the step."""
+        sp = self.sampling
+        return (sp.prompt_logprobs is not None and self.prompt_logprobs is None) or sp.needs_penalty_row
 
     @property
     def num_generated(self) -> int:

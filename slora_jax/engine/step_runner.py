@@ -1,7 +1,9 @@
 """Builds each step's batch in numpy, pads it to a bucket, and runs the jitted prefill / decode step.
 
 Only array data varies between steps of one bucket, so after :meth:`StepRunner.warmup` nothing compiles. The pool is
-donated to every step (updated in place) and sampling runs inside the step: only token ids come back to the host.
+donated to every step (updated in place) and sampling runs inside the step: only token ids come back to the host,
+plus packed logprobs when a request asked for them (``StepOutput``). The penalty state (``penalties.py``) is threaded
+through every step beside the pool, also donated.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from pallas_kernels.prefill_attention import max_prefill_tiles, prefill_tile_map
 from ..model.config import ATTN_MODULES, MODULES, ModelConfig
 from ..model.paged import PagedSpec, StepBatch, paged_forward
 from ..model.sharding import TensorParallel, step_parts
+from . import penalties
 from .config import EngineConfig
-from .sampling import SamplingArrays, SamplingParams, sample, sampling_arrays
+from .logprobs import packed_logprobs
+from .sampling import MAX_LOGIT_BIAS, SamplingArrays, SamplingParams, sample, sampling_arrays
 
 
 @dataclasses.dataclass
@@ -38,6 +42,19 @@ class StepItem:
     counter: int  # tokens generated so far (fresh randomness per step)
     token_src: int = -1  # decode: take the input token from row ``token_src`` of the previous step's output
     token_mask: np.ndarray | None = None  # tokens this step may sample (packed bits, see SamplingArrays); None: all
+    penalty_row: int = -1  # its row in the penalty state (a prefill fills it from ``tokens``); -1: none
+    prompt_len: int = 0  # prefill: positions below this are prompt tokens (penalties count the rest as generated)
+    prompt_logprobs: bool = False  # prefill: this sequence needs every row's logprobs (the echo variant runs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepOutput:
+    """What a step returns besides the pool and penalty state; only ``tokens`` is read back every step."""
+
+    tokens: jax.Array  # int32 [out_rows]: each sequence row's sampled token (the next decode step's input)
+    logprobs: jax.Array  # int32 [B, PACKED_WIDTH]: the sampled token's logprob and the top ones (logprobs.py)
+    prompt_logprobs: jax.Array | None = None  # echo prefill: int32 [T, PACKED_WIDTH], row t against token t + 1
 
 
 # Decode steps compile one variant per set of projections whose LoRA kernels run; a step runs the smallest variant
@@ -85,14 +102,22 @@ class StepRunner:
         self.decode_spec = PagedSpec(mode="decode", **spec)
         # every step returns this many token ids (a decode bucket may exceed max_batch_size)
         self.out_rows = max(max(ecfg.decode_buckets), ecfg.max_prefill_seqs)
-        # fn(layout, params, pool, table, packed, prev_tokens): layout static, pool donated
-        jit = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-        self._prefill = jit(wrap(functools.partial(_step, step_cfg, self.prefill_spec, self.out_rows)))
+        # fn(layout, params, pool, table, packed, prev_tokens, penalty_state): layout static, pool and state donated
+        jit = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 6))
+        self._prefill = jit(wrap(functools.partial(_step, step_cfg, self.prefill_spec, self.out_rows, False)))
+        # prompt logprobs (echo): the lm_head over every row; compiled per prefill bucket, run only when asked
+        self._prefill_echo = jit(wrap(functools.partial(_step, step_cfg, self.prefill_spec, self.out_rows, True)))
         variants = LORA_VARIANTS if ecfg.decode_lora_variants else {"all": LORA_VARIANTS["all"]}
         self._decode = {name: jit(wrap(functools.partial(_step, step_cfg, dataclasses.replace(
-                            self.decode_spec, lora_modules=mods), self.out_rows)))
+                            self.decode_spec, lora_modules=mods), self.out_rows, False)))
                         for name, mods in variants.items()}
-        self._no_prev = jnp.zeros(self.out_rows, jnp.int32, device=None if tp is None else tp.replicated)
+        # every step input committed to its device(s) from the start: a jit call whose inputs differ from warm-up's
+        # only in being committed (outputs are, once any input is) compiles again
+        device = jax.devices()[0] if tp is None else tp.replicated
+        self._no_prev = jnp.zeros(self.out_rows, jnp.int32, device=device)
+        # one penalty row per request that can be running at once (engine: PenaltyRows)
+        self.penalty_state = penalties.PenaltyState.zeros(ecfg.max_batch_size, cfg.vocab_size, device=device)
+        self.last_output: StepOutput | None = None  # of the last step dispatched (its logprobs, on the device)
 
     # ---------------------------------------------------------------- batch building (numpy)
     def _base_arrays(self, n_rows: int, n_seqs: int) -> dict[str, np.ndarray]:
@@ -134,7 +159,7 @@ class StepRunner:
         a["lora_tiles"] = np.stack([lora.start, lora.length, lora.slot]).astype(np.int32)
         a["attn_tiles"] = prefill_tile_map(a["q_starts"], a["context_lens"], n_rows, ecfg.attn_block_q,
                                            max_prefill_tiles(n_rows, n_seqs, ecfg.attn_block_q))
-        return self._finish(a, items, n_seqs)
+        return self._finish(a, items, n_seqs, MAX_LOGIT_BIAS)
 
     def build_decode(self, items: list[StepItem], n: int | None = None) -> tuple[StepBatch, SamplingArrays, np.ndarray]:
         """Also returns ``token_src`` int32[n]: rows whose input token is still on the device (-1 = from the host).
@@ -147,23 +172,29 @@ class StepRunner:
         a["q_starts"][:] = np.minimum(np.arange(n + 1), len(items))
         a["lora_tiles"] = np.zeros((3, 1), np.int32)
         a["attn_tiles"] = np.zeros((1, 4), np.int32)
-        return (*self._finish(a, items, n), token_src)
+        return (*self._finish(a, items, n, 0), token_src)
 
     def _lora_tiles(self, n_rows: int) -> int:
         return -(-n_rows // self.ecfg.lora_block_t) + self.ecfg.max_prefill_seqs + 1
 
-    def _finish(self, a: dict, items: list[StepItem], n_seqs: int) -> tuple[StepBatch, SamplingArrays]:
+    def _finish(self, a: dict, items: list[StepItem], n_seqs: int,
+                bias_entries: int) -> tuple[StepBatch, SamplingArrays]:
         pad = [None] * (n_seqs - len(items))
         s = sampling_arrays([it.sampling for it in items] + pad, [it.seed for it in items] + [0] * len(pad),
                             [it.counter for it in items] + [0] * len(pad), n_seqs, self.cfg.vocab_size,
-                            masks=[it.token_mask for it in items])
+                            masks=[it.token_mask for it in items], eos_ids=tuple(self.cfg.eos_token_id),
+                            penalty_rows=[it.penalty_row for it in items] + [-1] * len(pad),
+                            prompt_lens=[it.prompt_len for it in items] + [0] * len(pad), bias_entries=bias_entries)
         return StepBatch(**a), SamplingArrays(**s)
 
     # ---------------------------------------------------------------- running
     def step_fn(self, kind: str, lora: str = "all"):
-        """The jitted step: ``fn(layout, params, pool, table, packed, prev_tokens) -> (token ids, pool)``."""
+        """The jitted step: ``fn(layout, params, pool, table, packed, prev_tokens, penalty_state) -> (StepOutput,
+        penalty_state, pool)``; ``kind`` "prefill", "prefill_echo" (also every prompt row's logprobs) or "decode"."""
         if kind == "prefill":
             return self._prefill
+        if kind == "prefill_echo":
+            return self._prefill_echo
         if lora not in LORA_VARIANTS:
             raise ValueError(f"unknown LoRA variant {lora!r} (one of {tuple(LORA_VARIANTS)})")
         return self._decode.get(lora, self._decode["all"])  # variants off: "all" serves every batch
@@ -186,10 +217,16 @@ class StepRunner:
             raise StepInputError(bad, e) from e
 
     def prefill(self, params, pool, table, items: list[StepItem]) -> tuple[jax.Array, jax.Array]:
-        """Dispatch a prefill step; returns (next token ids [out_rows], pool) without waiting. Raises
-        :class:`StepInputError` (before dispatch) for items whose inputs cannot be built."""
+        """Dispatch a prefill step; returns (next token ids [out_rows], pool) without waiting (``last_output`` holds
+        its logprobs). Raises :class:`StepInputError` (before dispatch) for items whose inputs cannot be built."""
         packed, layout = self._host_inputs(self.build_prefill, items)
-        return self._prefill(layout, params, pool, table, packed, self._no_prev)
+        kind = "prefill_echo" if any(it.prompt_logprobs for it in items) else "prefill"
+        return self._run(self.step_fn(kind), layout, params, pool, table, packed, self._no_prev)
+
+    def _run(self, fn, layout, params, pool, table, packed, prev_tokens) -> tuple[jax.Array, jax.Array]:
+        out, self.penalty_state, pool = fn(layout, params, pool, table, packed, prev_tokens, self.penalty_state)
+        self.last_output = out
+        return out.tokens, pool
 
     def decode(self, params, pool, table, items: list[StepItem], prev_tokens: jax.Array | None = None,
                lora: str = "all") -> tuple[jax.Array, jax.Array]:
@@ -198,18 +235,18 @@ class StepRunner:
         ``lora`` names the :data:`LORA_VARIANTS` entry to run (it must cover every adapter in ``items``). Raises
         :class:`StepInputError` (before dispatch) for items whose inputs cannot be built."""
         packed, layout = self._host_inputs(self.build_decode, items)
-        return self.step_fn("decode", lora)(layout, params, pool, table, packed,
-                                            self._no_prev if prev_tokens is None else prev_tokens)
+        return self._run(self.step_fn("decode", lora), layout, params, pool, table, packed,
+                         self._no_prev if prev_tokens is None else prev_tokens)
 
     def warmup(self, params, pool, table, progress: bool = True) -> jax.Array:
         """Compile every bucket with an all-padding batch (writes nothing: every KV slot is -1)."""
         ecfg = self.ecfg
-        jobs = [("prefill", n, None) for n in ecfg.prefill_buckets]
+        jobs = [(kind, n, None) for n in ecfg.prefill_buckets for kind in ("prefill", "prefill_echo")]
         jobs += [("decode", n, variant) for n in ecfg.decode_buckets for variant in self._decode]
         for kind, n, variant in tqdm(jobs, desc="compiling step buckets", disable=not progress):
-            build = self.build_prefill([], n_rows=n) if kind == "prefill" else self.build_decode([], n=n)
+            build = self.build_decode([], n=n) if kind == "decode" else self.build_prefill([], n_rows=n)
             packed, layout = pack_inputs(*build)
-            tokens, pool = self.step_fn(kind, variant)(layout, params, pool, table, packed, self._no_prev)
+            tokens, pool = self._run(self.step_fn(kind, variant), layout, params, pool, table, packed, self._no_prev)
             tokens.block_until_ready()
         return pool
 
@@ -253,14 +290,26 @@ def unpack_inputs(packed: jax.Array, layout: Layout) -> tuple[StepBatch, Samplin
     return batch, s, fields["token_src"]
 
 
-def _step(cfg: ModelConfig, spec: PagedSpec, out_rows: int, layout: Layout, params, pool, table, packed: jax.Array,
-          prev_tokens: jax.Array):
+def _step(cfg: ModelConfig, spec: PagedSpec, out_rows: int, prompt_logprobs: bool, layout: Layout, params, pool,
+          table, packed: jax.Array, prev_tokens: jax.Array, penalty_state: penalties.PenaltyState):
     batch, s, token_src = unpack_inputs(packed, layout)
     tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], batch.tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
-    logits, pool = paged_forward(cfg, spec, params, pool, table, batch)
-    sampled = sample(logits, s)
-    return jnp.zeros(out_rows, jnp.int32).at[: sampled.shape[0]].set(sampled), pool
+    prompt = None
+    if prompt_logprobs:  # the logits of every row; each sequence samples from its own last row's
+        every_row = dataclasses.replace(batch, logits_rows=jnp.arange(tokens.shape[0], dtype=jnp.int32))
+        all_logits, pool = paged_forward(cfg, spec, params, pool, table, every_row)
+        logits = all_logits[batch.logits_rows]
+        prompt = packed_logprobs(all_logits, jnp.roll(tokens, -1))  # row t scores the token after it
+    else:
+        logits, pool = paged_forward(cfg, spec, params, pool, table, batch)
+    if spec.mode == "prefill":
+        penalty_state = penalties.refill(penalty_state, s, batch)
+    sampled = sample(penalties.apply(logits, s, penalty_state), s)
+    penalty_state = penalties.count_sampled(penalty_state, s, sampled)
+    out = StepOutput(tokens=jnp.zeros(out_rows, jnp.int32).at[: sampled.shape[0]].set(sampled),
+                     logprobs=packed_logprobs(logits, sampled), prompt_logprobs=prompt)
+    return out, penalty_state, pool
 
 
 def device_batch(batch: StepBatch) -> StepBatch:
