@@ -28,6 +28,7 @@ from ..model.params import stack_layer_params, unstack_layer_params
 from ..model.params_checkpoint import load_serving_params
 from ..model.sharding import TensorParallel
 from . import compile_counter, offline
+from .adapter_mixes import AdapterMixes
 from .adapter_store import AdapterStore
 from .config import EngineConfig, resolve_layer_loop
 from .detok import IncrementalDetokenizer
@@ -92,6 +93,7 @@ class Engine:
                                   max_rank=ecfg.max_lora_rank, dtype=np.dtype(dtype),
                                   max_host_adapters=ecfg.max_cpu_loras, max_staged=ecfg.max_staged_adapters)
         self.scheduler = Scheduler(ecfg, self.pool, self.store)
+        self.mixes = AdapterMixes(self.store, lambda: [seq.adapter for seq in self.requests.values()])
         self.runner = StepRunner(cfg, ecfg, interpret=interpret, tp=self.tp)
         self.penalty_rows = PenaltyRows(ecfg.max_batch_size)  # rows of runner.penalty_state
         self.requests: dict[str, Sequence] = {}
@@ -168,6 +170,7 @@ class Engine:
         seq.seed = sampling.seed if sampling.seed is not None else int(np.random.default_rng().integers(2**31))
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
+        self.mixes.prune(self._unregister)  # too many mixes: drop unused ones (never this request's)
         if adapter is not None:
             n_head = self.ecfg.max_prefill_seqs
             if seq in self.scheduler.head(n_head):  # in the head: get it onto the device now
@@ -384,8 +387,8 @@ class Engine:
         return name in self.store
 
     def adapter_names(self) -> list[str]:
-        """Thread-safe: every registered adapter."""
-        return self.store.names()
+        """Thread-safe: every registered adapter but the mixes (they come and go with requests)."""
+        return [name for name in self.store.names() if name not in self.mixes]
 
     def register_adapter(self, name: str, source, verify: bool = False) -> None:
         """Thread-safe: serve ``source`` (a PEFT dir, a ``LoraAdapter`` or an ``AdapterSource``) as ``name``.
@@ -396,8 +399,17 @@ class Engine:
         """
         self.store.register(name, source, verify=verify)
 
+    def register_mix(self, parts: dict[str, float]) -> str:
+        """Thread-safe: the adapter serving ``parts`` ({adapter: weight}) as PEFT's ``cat`` mix, registered on first
+        use; ValueError for bad parts or weights or a rank above the maximum, KeyError for an unknown part."""
+        return self.mixes.register(parts)
+
     def unregister_adapter(self, name: str) -> None:
-        """Stop serving an adapter; KeyError if unknown, ``AdapterInUse`` while running requests use it."""
+        """Stop serving an adapter and the mixes built from it; KeyError if unknown, ``AdapterInUse`` while running
+        requests use it or one of those mixes."""
+        self.mixes.drop(name, self._unregister)
+
+    def _unregister(self, name: str) -> None:
         self.store.unregister(name)
         if self.scheduler.prefix_cache is not None:  # a new adapter of this name must not hit the old one's K/V
             self.scheduler.prefix_cache.drop_adapter(name)

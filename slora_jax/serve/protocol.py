@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
 from ..engine.sampling import SamplingParams
 
@@ -85,6 +85,8 @@ class _Request(BaseModel):
     return_token_ids: bool = False  # vLLM extension: token ids of the prompt and the output in the response
     # our extension: this request's first-token deadline in seconds (overrides --first-token-slo-s); a number only
     first_token_slo_s: float | None = Field(None, strict=True)
+    # our extension: a weighted mix of loaded adapters served as one (PEFT's "cat" combination); numbers only
+    adapters: dict[str, StrictFloat] | None = None
 
     def check_supported(self) -> None:
         slo = self.first_token_slo_s

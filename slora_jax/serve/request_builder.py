@@ -108,14 +108,30 @@ class RequestBuilder:
     def close(self) -> None:
         self.threads.close()
 
-    def adapter_for(self, model: str) -> str | None:
-        """The adapter a request's ``model`` names (None for the base model); 404 for a name we do not serve."""
+    def adapter_for(self, model: str, mix: dict[str, float] | None = None) -> str | None:
+        """The adapter a request's ``model`` names (None for the base model), or the mix its ``adapters`` names; 404
+        for a name we do not serve."""
+        if mix is not None:
+            return self.mix_for(model, mix)
         if model == self.base_name:
             return None
         if not self.engine.has_adapter(model):  # thread-safe; add_request checks again
             raise APIError(404, f"the model {model!r} does not exist (neither the base model {self.base_name!r} "
                            f"nor a loaded adapter)", "model")
         return model
+
+    def mix_for(self, model: str, parts: dict[str, float]) -> str:
+        """The adapter serving the mix ``parts`` (registered on first use); ``model`` must be the base model or one
+        of the parts. 404 for a part we do not serve, 400 for bad weights or a rank above the maximum."""
+        if model != self.base_name and model not in parts:
+            raise APIError(400, f"with adapters, model must be the base model {self.base_name!r} or one of the "
+                           f"adapters mixed, not {model[:200]!r}", "model")
+        try:
+            return self.engine.register_mix(parts)  # thread-safe
+        except KeyError as e:
+            raise APIError(404, e.args[0], "adapters") from None
+        except ValueError as e:  # AdapterError included: a part that failed, a rank above the maximum
+            raise APIError(400, str(e), "adapters") from None
 
     def check_chars(self, n_chars: int, field: str) -> None:
         if n_chars > self.max_prompt_chars:
@@ -139,7 +155,7 @@ class RequestBuilder:
 
     def build_completion(self, req: CompletionRequest, tenant: str | None = None) -> PreparedRequest:
         req.check_supported()
-        adapter = self.adapter_for(req.model)
+        adapter = self.adapter_for(req.model, req.adapters)
         prompt = req.single_prompt()
         prompt_ids = self.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         prepared = self._prepared("completion", req, adapter, prompt_ids, COMPLETION_DEFAULT_MAX_TOKENS, tenant)
@@ -148,7 +164,7 @@ class RequestBuilder:
 
     def build_chat(self, req: ChatCompletionRequest, tenant: str | None = None) -> PreparedRequest:
         req.check_supported()
-        adapter = self.adapter_for(req.model)
+        adapter = self.adapter_for(req.model, req.adapters)
         if not self.has_tokenizer:
             raise APIError(400, "this server has no tokenizer, so chat is unavailable; use /v1/completions with "
                            "token ids")
