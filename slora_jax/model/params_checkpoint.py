@@ -14,14 +14,11 @@ import logging
 import shutil
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from .config import ModelConfig
-from .llama import init_params
-from .sharding import TensorParallel, param_specs
-from .streaming_loader import stream_params
+from .sharding import TensorParallel
+from .streaming_loader import param_shapes, stream_params
 
 log = logging.getLogger(__name__)
 FORMAT = 1
@@ -34,21 +31,6 @@ def checkpoint_key(tp: TensorParallel | None, dtype, stacked: bool) -> str:
 
 def _meta(cfg: ModelConfig, key: str) -> dict:
     return {"format": FORMAT, "key": key, "config": cfg.to_hf_dict()}
-
-
-def abstract_params(cfg: ModelConfig, dtype, tp: TensorParallel | None, stacked: bool):
-    """Shapes, dtype and target shardings of every param (no memory allocated)."""
-    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)), shapes)  # every param in dtype
-    if not stacked:
-        layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes["layers"])
-        shapes = dict(shapes, layers=[layer] * cfg.num_hidden_layers)
-    if tp is None:
-        sharding = SingleDeviceSharding(jax.devices()[0])
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)
-    return jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                                             sharding=NamedSharding(tp.mesh, spec)),
-                        shapes, param_specs(shapes))
 
 
 def save_params(directory: str | Path, cfg: ModelConfig, params: dict, key: str) -> None:
@@ -89,7 +71,7 @@ def load_serving_params(model_dir: str | Path, dtype, *, tp: TensorParallel | in
         tp = TensorParallel.maybe(cfg, tp)
     key = checkpoint_key(tp, dtype, stacked)
     if converted_dir is not None:
-        params = restore_params(Path(converted_dir) / key, cfg, key, abstract_params(cfg, dtype, tp, stacked))
+        params = restore_params(Path(converted_dir) / key, cfg, key, param_shapes(cfg, dtype, tp, stacked))
         if params is not None:
             log.info("restored converted params from %s", Path(converted_dir) / key)
             return cfg, params

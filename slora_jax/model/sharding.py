@@ -185,9 +185,9 @@ class TensorParallel:
         if self.is_placed(params):
             return params
 
-        def place(path, leaf):
+        def place(path, leaf):  # one leaf at a time through host memory (numpy: no compiles)
             name = _param_name(path)
-            leaf = self.to_tp_layout(name, np.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf)
+            leaf = self.to_tp_layout(name, np.asarray(leaf))
             return jax.device_put(leaf, self.sharding(param_spec(name, leaf.ndim)))
 
         return jax.tree_util.tree_map_with_path(place, params)

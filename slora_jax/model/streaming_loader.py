@@ -25,8 +25,9 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from tqdm import tqdm
 
 from .config import MODULES, ModelConfig, module_key
+from .llama import init_params
 from .loader import shard_files
-from .sharding import TensorParallel, fused_widths, param_spec
+from .sharding import TensorParallel, fused_widths, param_spec, param_specs
 
 SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 MAX_HEADER_BYTES = 100 << 20
@@ -117,6 +118,17 @@ def _block(x: np.ndarray, axis: int, d: int, n: int) -> np.ndarray:
     return np.take(x, np.arange(d * size, (d + 1) * size), axis=axis) if n > 1 else x
 
 
+def _outer_params(cfg: ModelConfig, read: Callable[[str], np.ndarray], placer: _Placer, has_head: bool):
+    """(embed, lm_head, final norm) on the devices, replicated; lm_head [hidden, vocab] (the embedding's transpose
+    when tied or absent)."""
+    embed_hf = read("model.embed_tokens.weight")
+    embed = placer.place(None, embed_hf.shape, lambda d: embed_hf)
+    head_hf = embed_hf if cfg.tie_word_embeddings or not has_head else read("lm_head.weight")
+    lm_head = placer.place(None, head_hf.shape[::-1], lambda d: head_hf.T)
+    norm = read("model.norm.weight")
+    return embed, lm_head, placer.place(None, norm.shape, lambda d: norm)
+
+
 def _layer_params(cfg: ModelConfig, i: int, read: Callable[[str], np.ndarray], placer: _Placer) -> dict:
     """Layer ``i`` in our layout on the devices (HF kernels are [d_out, d_in]; ours [d_in, d_out])."""
     n, p = placer.n, f"model.layers.{i}."
@@ -144,10 +156,19 @@ def _layer_params(cfg: ModelConfig, i: int, read: Callable[[str], np.ndarray], p
     return out
 
 
+def _set_layer(stacked: jax.Array, i: jax.Array, value: jax.Array) -> jax.Array:
+    """``stacked.at[i].set(value)`` on the raw bits: XLA on CPU computes a bf16 update in float32 over the whole
+    stack (two full copies); an update of unsigned ints of the same width is done in place."""
+    bits = jnp.dtype(f"uint{8 * stacked.dtype.itemsize}")
+    out = jax.lax.dynamic_update_index_in_dim(jax.lax.bitcast_convert_type(stacked, bits),
+                                              jax.lax.bitcast_convert_type(value, bits), i, 0)
+    return jax.lax.bitcast_convert_type(out, stacked.dtype)
+
+
 @functools.cache
 def _layer_setter(sharding) -> Callable:
-    """``stacked.at[i].set(value)`` in place, keeping the stack's sharding (one compile per param shape)."""
-    return jax.jit(lambda stacked, i, value: stacked.at[i].set(value), donate_argnums=0, out_shardings=sharding)
+    """:func:`_set_layer` in place (donated), keeping the stack's sharding; one compile per param shape."""
+    return jax.jit(_set_layer, donate_argnums=0, out_shardings=sharding)
 
 
 def stream_params(model_dir: str | Path, dtype=jnp.bfloat16, *, tp: TensorParallel | None = None,
@@ -169,36 +190,36 @@ def stream_params(model_dir: str | Path, dtype=jnp.bfloat16, *, tp: TensorParall
         bar.update(x.nbytes)
         return x
 
-    layers, stack = [], None
+    # stacked layers: zeros on the devices first (each param's sharding), filled one layer at a time in place
+    stack = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding),
+                         param_shapes(cfg, dtype, tp, stacked=True)["layers"]) if stacked else None
+    embed, lm_head, norm = _outer_params(cfg, read, placer, has_head="lm_head.weight" in entries)
+    layers = []
     for i in range(cfg.num_hidden_layers):
         layer = _layer_params(cfg, i, read, placer)
-        if not stacked:
+        if stacked:
+            index = jnp.int32(i)
+            stack = jax.tree.map(lambda s, a, index=index: _layer_setter(s.sharding)(s, index, a), stack, layer)
+            jax.block_until_ready(stack)  # the layer's arrays are freed now, not after the host has read ahead
+        else:
             layers.append(layer)
-            continue
-        if stack is None:  # zeros on the devices with each param's sharding, filled one layer at a time in place
-            stack = jax.tree.map(lambda a: jnp.zeros((cfg.num_hidden_layers, *a.shape), a.dtype, device=
-                                                     _stacked_sharding(a.sharding)), layer)
-        index = jnp.int32(i)
-        stack = jax.tree.map(lambda s, a, index=index: _layer_setter(s.sharding)(s, index, a), stack, layer)
         del layer
-    embed_hf = read("model.embed_tokens.weight")
-    embed = placer.place(None, embed_hf.shape, lambda d: embed_hf)
-    if cfg.tie_word_embeddings or "lm_head.weight" not in entries:
-        lm_head = placer.place(None, embed_hf.shape[::-1], lambda d: embed_hf.T)
-    else:
-        head_hf = read("lm_head.weight")
-        lm_head = placer.place(None, head_hf.shape[::-1], lambda d: head_hf.T)
-    norm = read("model.norm.weight")
-    params = {"embed": embed, "layers": stack if stacked else layers,
-              "norm": {"weight": placer.place(None, norm.shape, lambda d: norm)}, "lm_head": lm_head}
+    params = {"embed": embed, "layers": stack if stacked else layers, "norm": {"weight": norm}, "lm_head": lm_head}
     bar.close()
     if tp is not None and not tp.is_placed(params):  # place_params would take them for the standard layout
         raise RuntimeError("streamed params did not land with the tensor-parallel shardings")
     return cfg, params
 
 
-def _stacked_sharding(sharding):
-    """The sharding of a stack of arrays placed with ``sharding`` (a leading, unsplit layer axis)."""
-    if isinstance(sharding, NamedSharding):
-        return NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
-    return sharding
+def param_shapes(cfg: ModelConfig, dtype, tp: TensorParallel | None, stacked: bool):
+    """Every param as a ``jax.ShapeDtypeStruct`` in ``dtype`` with its target sharding (no memory allocated)."""
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)), shapes)
+    if not stacked:
+        layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes["layers"])
+        shapes = dict(shapes, layers=[layer] * cfg.num_hidden_layers)
+    if tp is None:
+        sharding = SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)
+    return jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(tp.mesh, spec)),
+                        shapes, param_specs(shapes))

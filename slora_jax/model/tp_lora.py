@@ -25,15 +25,15 @@ from .sharding import ROW_MODULES, TP_AXIS
 def tp_lora(ops, x: jax.Array, y: jax.Array, modules: tuple[int, ...], layer, pool) -> jax.Array:
     """``y`` plus each row's LoRA delta for ``modules`` on this device, all-reduced where the partition needs it.
 
-    ``ops`` is the step's ``PagedOps`` (its ``shrink`` / ``expand`` run the backend's kernels on local shapes; its
-    ``d_outs`` gives the local output widths of adapter B)."""
+    ``ops`` is the step's ``PagedOps``: its ``shrink_expand`` / ``shrink`` / ``expand`` run the backend's kernels on
+    local shapes (the config is the device's local one)."""
     spec = ops.spec
     row = modules[0] in ROW_MODULES
     active = any(m in spec.lora_modules for m in modules)
     if not active:
         return lax.psum(y, TP_AXIS) if row else y
-    if not spec.fully_sharded_loras:
-        y = ops.expand(ops.shrink(x, modules, layer, pool), y, modules, layer, pool)
+    if not spec.fully_sharded_loras:  # local shapes, no collective inside: the single-device path (fused decode)
+        y = ops.shrink_expand(x, y, modules, layer, pool)
         return lax.psum(y, TP_AXIS) if row else y
     n, me = spec.tp_size, lax.axis_index(TP_AXIS)
     if row:  # x is this device's input slice; B holds this device's columns of the hidden output

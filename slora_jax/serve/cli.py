@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--layer-loop", choices=["auto", "scan", "unroll"], default="auto",
                    help="unroll: per-layer weights, no per-step weight copies (auto on GPU); scan: stacked weights, "
                         "short compiles (auto on CPU)")
+    e.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
+                   help="split the model over N devices of this host: heads, KV heads, MLP columns and the pool "
+                   "(README: 'Serving on several GPUs')")
+    e.add_argument("--fully-sharded-loras", action="store_true",
+                   help="with --tensor-parallel-size: split every adapter N ways too (less adapter memory, up to 4 "
+                   "small all-reduces more per layer) instead of adding no collectives")
+    e.add_argument("--converted-params-dir", type=Path, default=None, metavar="DIR",
+                   help="restore the converted, sharded weights from DIR (orbax) when it holds them for this model, "
+                   "TP size, dtype and layout; else convert the HF checkpoint and save them there")
     e.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
                    help="params and pool dtype (auto: bfloat16 on GPU, float32 on CPU)")
     e.add_argument("--no-warmup", action="store_true", help="compile step buckets on first use instead of now")
@@ -311,6 +320,7 @@ def build_engine(args: argparse.Namespace):
         max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
         pool_bytes=pool_bytes, num_pages=args.num_pages, dtype=dtype, backend=backend, max_waiting=args.max_waiting,
         layer_loop=args.layer_loop, **scheduling_options(args),
+        tensor_parallel_size=args.tensor_parallel_size, fully_sharded_loras=args.fully_sharded_loras,
         decode_lora_variants=on_gpu)  # fewer launches matter on a GPU; on CPU they only triple decode compiles
     # kernel tiles: the backend's defaults for this platform (pallas_kernels.backends.default_tiles)
     tokenizer = load_tokenizer(model_dir)
@@ -318,7 +328,8 @@ def build_engine(args: argparse.Namespace):
         log.warning("%s has no tokenizer: only token-id prompts on /v1/completions will work", model_dir)
     log.info("loading %s (%s, backend %s)", model_dir, dtype, backend)
     t = time.monotonic()
-    engine = Engine.from_model_dir(model_dir, ecfg, tokenizer=tokenizer, progress=True)
+    engine = Engine.from_model_dir(model_dir, ecfg, tokenizer=tokenizer, progress=True,
+                                   converted_params_dir=args.converted_params_dir)
     log.info("weights loaded and pool allocated in %.1f s", time.monotonic() - t)
     pool = engine.stats()["pool"]
     capacity = pool["num_pages"] * ecfg.page_size
