@@ -37,8 +37,11 @@ class _Page:
 
 
 class PrefixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int):
-        self.allocator, self.page_size = allocator, page_size
+    """``retain=False``: a page is freed when its last reference goes instead of staying cached (the samples of one
+    request share their prompt this way when prefix caching is off; see ``forks``)."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int, retain: bool = True):
+        self.allocator, self.page_size, self.retain = allocator, page_size, retain
         self._by_key: dict[tuple, _Page] = {}
         self._by_page: dict[int, _Page] = {}
         self._unused: OrderedDict[int, _Page] = OrderedDict()  # refs == 0, least recently used first
@@ -74,7 +77,7 @@ class PrefixCache:
             entry = self._by_page[page]
             entry.refs -= 1
             if entry.refs == 0:
-                if entry.dropped:
+                if entry.dropped or not self.retain:
                     self._forget(entry)
                 else:
                     self._unused[entry.uid] = entry

@@ -64,6 +64,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_deadline_aborts = 0
         self.prefix_cache = self._make_prefix_cache(ecfg)
+        # without the prefix cache, the samples of one request (forks) share their prompt's pages through this one
+        self.fork_pages = PrefixCache(self.pool.allocator, ecfg.page_size, retain=False)
 
     SCHEDULING_FIELDS = ("scheduling_policy", "first_token_slo_s", "early_abort", "vtc_input_weight",
                          "vtc_output_weight", "vtc_reserved_slots", "adapter_lookahead", "adapter_max_bypass",
@@ -201,7 +203,7 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         ecfg, page = self.ecfg, self.ecfg.page_size
         batch: list[Sequence] = []
-        tokens = 0
+        tokens, forks = 0, set()
         for seq in self.policy.order(self.waiting):
             n = seq.num_tokens
             if (len(batch) >= ecfg.max_prefill_seqs or len(self.running) + len(batch) >= ecfg.max_batch_size
@@ -209,22 +211,24 @@ class Scheduler:
                 break
             if not self.policy.may_take_slot(seq, ecfg.max_batch_size - len(self.running) - len(batch)):
                 continue
+            if seq.fork is not None and not seq.fork.prefilled and seq.fork in forks:
+                continue  # a sample of a request waits for its sibling's prefill, then shares its prompt pages
             # a prefill that must compute every prompt token (prompt logprobs, penalties) shares nothing
-            cache = None if seq.needs_whole_prompt else self.prefix_cache
+            cache = None if seq.needs_whole_prompt else self._sharing(seq)
             shared = cache.match(seq.adapter, seq.prompt_ids) if cache else []
             worst = self.worst_case_pages(seq) - len(shared)  # shared pages are counted once, by the cache
             adapter_pages = self.store.pages_needed_to_load(seq.adapter) if seq.adapter else 0
             if worst + adapter_pages > self.obtainable_pages():
-                self._unshare(shared)
+                self._unshare(seq, shared)
                 break
             slot = self._acquire(seq)
             if slot is None:
-                self._unshare(shared)
+                self._unshare(seq, shared)
                 if seq.error is not None:  # adapter failed to load: the engine ends this request
                     continue
                 break
             if not self.reclaim_pages(worst):
-                self._unshare(shared)
+                self._unshare(seq, shared)
                 self._release(seq)
                 break
             seq.kv_pages = shared + self.pool.alloc_kv_pages(pages_for(n, page) - len(shared), owner=seq.request_id)
@@ -232,6 +236,7 @@ class Scheduler:
             seq.adapter_slot = slot
             batch.append(seq)
             tokens += n
+            forks.add(seq.fork)
         now = self.clock()
         for seq in batch:
             self.waiting.remove(seq)
@@ -300,25 +305,35 @@ class Scheduler:
             self.prefix_cache.evict(n_pages - self.pool.num_free_pages)
         return self.store.reclaim_pages(n_pages)
 
-    def _unshare(self, pages: list[int]) -> None:
+    def _sharing(self, seq: Sequence) -> PrefixCache | None:
+        """Where ``seq`` shares prompt pages: the prefix cache, else the fork pages for the samples of a request."""
+        if self.prefix_cache is not None:
+            return self.prefix_cache
+        return self.fork_pages if seq.fork is not None else None
+
+    def _unshare(self, seq: Sequence, pages: list[int]) -> None:
         if pages:
-            self.prefix_cache.release(pages)
+            self._sharing(seq).release(pages)
 
     def on_prefilled(self, seqs: list[Sequence]) -> None:
-        """The prefill of ``seqs`` was dispatched: their prompts' full pages join the prefix cache."""
-        if self.prefix_cache is None:
-            return
+        """The prefill of ``seqs`` was dispatched: their prompts' full pages join the prefix cache (or, for the
+        samples of a request, the fork pages), and the other samples of their requests may be admitted."""
         for seq in seqs:
-            if seq.status == Status.RUNNING:
-                seq.shared_pages = self.prefix_cache.insert(seq.adapter, seq.prompt_ids, seq.kv_pages,
-                                                            seq.shared_pages, (KV, seq.request_id))
+            if seq.status != Status.RUNNING:
+                continue
+            if seq.fork is not None:
+                seq.fork.prefilled = True
+            sharing = self._sharing(seq)
+            if sharing is not None:
+                seq.shared_pages = sharing.insert(seq.adapter, seq.prompt_ids, seq.kv_pages, seq.shared_pages,
+                                                  (KV, seq.request_id))
 
     # ---------------------------------------------------------------- finishing
     def free(self, seq: Sequence) -> None:
         """Return a sequence's pages and adapter pin (finished, aborted or preempted)."""
         if seq.kv_pages:
             self.pool.free_kv_pages(seq.kv_pages[seq.shared_pages:], owner=seq.request_id)
-            self._unshare(seq.kv_pages[:seq.shared_pages])
+            self._unshare(seq, seq.kv_pages[:seq.shared_pages])
             seq.kv_pages, seq.shared_pages = [], 0
         if seq.status == Status.RUNNING:
             self._release(seq)

@@ -62,6 +62,7 @@ class Sequence:
     penalty_row: int = -1  # its row in the step's penalty state (penalties.py); -1: none
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once computed (sampling.prompt_logprobs set)
     grammar: Any = None  # GrammarMatcher when the output must match a grammar (structured output)
+    fork: Any = None  # ForkGroup: this is one of the samples of a request (n > 1) that share its prompt's pages
 
     @property
     def all_ids(self) -> list[int]:
