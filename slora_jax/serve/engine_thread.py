@@ -69,6 +69,7 @@ class _Submission:
     accepted: asyncio.Future
     tenant: str | None = None
     first_token_slo_s: float | None = None
+    grammar: Any = None  # GrammarMatcher the output must match (structured output)
 
 
 @dataclasses.dataclass
@@ -160,18 +161,21 @@ class EngineThread:
     # ---------------------------------------------------------------- event-loop side
     async def submit(self, prompt_ids: list[int], adapter: str | None, sampling: SamplingParams,
                      request_id: str, watch_stop_strings: bool = True, tenant: str | None = None,
-                     first_token_slo_s: float | None = None) -> RequestStream:
+                     first_token_slo_s: float | None = None,
+                     grammar: Any = None) -> RequestStream:
         """Queue a request; returns its output stream once the engine accepted it.
 
         Raises what ``Engine.add_request`` raises (ValueError, KeyError, QueueFull) or :class:`EngineUnavailable`.
         ``watch_stop_strings=False``: the caller detokenizes the outputs and aborts on a stop string itself.
-        ``tenant`` and ``first_token_slo_s`` go to ``add_request`` as they are (None: the engine's defaults).
+        ``tenant`` and ``first_token_slo_s`` go to ``add_request`` as they are (None: the engine's defaults), and
+        ``grammar`` (a compiled ``GrammarMatcher``: structured output).
         """
         if not self.alive or self.closing:
             raise EngineUnavailable(self.closing or self.fatal or "the engine is not running")
         loop = asyncio.get_running_loop()
         sub = _Submission(request_id, list(prompt_ids), adapter, sampling, watch_stop_strings,
                           RequestStream(request_id, loop), loop.create_future(), tenant, first_token_slo_s)
+        sub.grammar = grammar
         with self._cv:
             self._submits.append(sub)
             self._cv.notify()
@@ -236,7 +240,7 @@ class EngineThread:
         try:
             self.engine.add_request(sub.prompt_ids, sub.adapter, sub.sampling, request_id=sub.request_id,
                                     on_output=self._on_output, watch_stop_strings=sub.watch_stop_strings,
-                                    tenant=sub.tenant, first_token_slo_s=sub.first_token_slo_s)
+                                    tenant=sub.tenant, first_token_slo_s=sub.first_token_slo_s, grammar=sub.grammar)
         except Exception as e:  # ValueError / KeyError / QueueFull go back to the handler as they are
             _resolve(sub.accepted, error=e)
             return

@@ -197,7 +197,8 @@ class GenerationRunner:
         try:
             stream = await self.engine_thread.submit(prepared.prompt_ids, prepared.adapter, prepared.sampling, rid,
                                                      watch_stop_strings=False, tenant=prepared.tenant,
-                                                     first_token_slo_s=prepared.first_token_slo_s)
+                                                     first_token_slo_s=prepared.first_token_slo_s,
+                                                     grammar=prepared.grammar)
         except QueueFull as e:
             raise APIError(429, f"the server is busy: {e}") from None
         except KeyError as e:

@@ -82,6 +82,13 @@ class _Request(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # structured output (structured.py): OpenAI's response_format; vLLM's guided_* and structured_outputs
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM extension: token ids of the prompt and the output in the response
     # our extension: this request's first-token deadline in seconds (overrides --first-token-slo-s); a number only
     first_token_slo_s: float | None = Field(None, strict=True)

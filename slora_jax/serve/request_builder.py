@@ -21,9 +21,11 @@ from collections.abc import Mapping
 from typing import Literal
 
 from ..engine.engine import RequestRejected
+from ..engine.grammar import GrammarMatcher
 from ..engine.sampling import SamplingParams
 from .config import DEFAULT_TENANT_HEADER, MAX_TENANT_CHARS
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, check_text
+from .structured import RequestGrammars
 
 # Used when the tokenizer has no chat template of its own: role-tagged turns, generation after "assistant:".
 FALLBACK_CHAT_TEMPLATE = (
@@ -50,6 +52,7 @@ class PreparedRequest:
     include_usage: bool
     tenant: str | None = None  # from the tenant header; None: the engine counts the request towards its adapter
     first_token_slo_s: float | None = None  # the request's own first-token deadline; None: the server's default
+    grammar: GrammarMatcher | None = None  # what the output must match (structured output)
 
 
 class TokenizerThreads:
@@ -86,6 +89,7 @@ class RequestBuilder:
         self.tenant_header = tenant_header
         self.has_tokenizer = tokenizer is not None
         self.threads = TokenizerThreads(tokenizer, threads)
+        self.grammars = RequestGrammars(tokenizer, engine.cfg.vocab_size, engine.cfg.eos_token_id)
 
     async def completion(self, req: CompletionRequest, tenant: str | None = None) -> PreparedRequest:
         return await self.threads.run(self.build_completion, req, tenant)
@@ -186,8 +190,7 @@ class RequestBuilder:
         self.check_tokens(len(prompt_ids))
         return prepared
 
-    @staticmethod
-    def _prepared(kind: Kind, req, adapter: str | None, prompt_ids: list[int], default_max_tokens: int | None,
+    def _prepared(self, kind: Kind, req, adapter: str | None, prompt_ids: list[int], default_max_tokens: int | None,
                   tenant: str | None) -> PreparedRequest:
         for s in [req.stop] if isinstance(req.stop, str) else req.stop or []:
             check_text(s, "stop")
@@ -197,4 +200,5 @@ class RequestBuilder:
             raise APIError(400, str(e)) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return PreparedRequest(kind, req.model, adapter, prompt_ids, sampling, req.return_token_ids, req.stream,
-                               include_usage, tenant, req.first_token_slo_s)
+                               include_usage, tenant, req.first_token_slo_s,
+                               grammar=self.grammars.for_request(req))
