@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..engine.forks import add_samples, sample_ids
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import RequestOutput
 
@@ -31,12 +32,15 @@ class EngineUnavailable(RuntimeError):
 
 
 class RequestStream:
-    """One request's outputs, in order, as the engine thread produces them; iterate until ``finished``."""
+    """One request's outputs, in order, as the engine thread produces them; iterate until ``finished``. A request
+    for ``samples`` samples gets the outputs of all its engine requests here (``RequestOutput.request_id`` tells
+    them apart) and is finished when each has sent its last."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, samples: int = 1):
         self.request_id = request_id
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.open = samples  # engine requests that have not sent their last output
         self.finished = False
 
     def put_threadsafe(self, out: RequestOutput) -> None:
@@ -46,7 +50,8 @@ class RequestStream:
     async def get(self, timeout: float | None = None) -> RequestOutput:
         out = await asyncio.wait_for(self.queue.get(), timeout)
         if out.finished:
-            self.finished = True
+            self.open -= 1
+            self.finished = self.open <= 0
         return out
 
     def __aiter__(self):
@@ -69,6 +74,7 @@ class _Submission:
     accepted: asyncio.Future
     tenant: str | None = None
     first_token_slo_s: float | None = None
+    n: int = 1
     grammar: Any = None  # GrammarMatcher the output must match (structured output)
 
 
@@ -161,9 +167,10 @@ class EngineThread:
     # ---------------------------------------------------------------- event-loop side
     async def submit(self, prompt_ids: list[int], adapter: str | None, sampling: SamplingParams,
                      request_id: str, watch_stop_strings: bool = True, tenant: str | None = None,
-                     first_token_slo_s: float | None = None,
+                     first_token_slo_s: float | None = None, n: int = 1,
                      grammar: Any = None) -> RequestStream:
-        """Queue a request; returns its output stream once the engine accepted it.
+        """Queue a request; returns its output stream once the engine accepted it. ``n`` > 1: as many samples
+        (``engine.forks.add_samples``: engine request ids ``sample_ids(request_id, n)``), all on the one stream.
 
         Raises what ``Engine.add_request`` raises (ValueError, KeyError, QueueFull) or :class:`EngineUnavailable`.
         ``watch_stop_strings=False``: the caller detokenizes the outputs and aborts on a stop string itself.
@@ -174,7 +181,7 @@ class EngineThread:
             raise EngineUnavailable(self.closing or self.fatal or "the engine is not running")
         loop = asyncio.get_running_loop()
         sub = _Submission(request_id, list(prompt_ids), adapter, sampling, watch_stop_strings,
-                          RequestStream(request_id, loop), loop.create_future(), tenant, first_token_slo_s)
+                          RequestStream(request_id, loop, n), loop.create_future(), tenant, first_token_slo_s, n)
         sub.grammar = grammar
         with self._cv:
             self._submits.append(sub)
@@ -182,7 +189,8 @@ class EngineThread:
         try:
             await sub.accepted
         except asyncio.CancelledError:
-            self.abort(request_id)
+            for rid in sample_ids(request_id, n):
+                self.abort(rid)
             raise
         return sub.stream
 
@@ -238,13 +246,15 @@ class EngineThread:
             _resolve(sub.accepted, error=EngineUnavailable(self.closing or self.fatal))
             return
         try:
-            self.engine.add_request(sub.prompt_ids, sub.adapter, sub.sampling, request_id=sub.request_id,
-                                    on_output=self._on_output, watch_stop_strings=sub.watch_stop_strings,
-                                    tenant=sub.tenant, first_token_slo_s=sub.first_token_slo_s, grammar=sub.grammar)
+            ids = add_samples(self.engine, sub.n, sub.prompt_ids, sub.adapter, sub.sampling,
+                              request_id=sub.request_id, on_output=self._on_output,
+                              watch_stop_strings=sub.watch_stop_strings, tenant=sub.tenant,
+                              first_token_slo_s=sub.first_token_slo_s, grammar=sub.grammar)
         except Exception as e:  # ValueError / KeyError / QueueFull go back to the handler as they are
             _resolve(sub.accepted, error=e)
             return
-        self._streams[sub.request_id] = sub.stream
+        for rid in ids:
+            self._streams[rid] = sub.stream
         _resolve(sub.accepted, sub.stream)
 
     def _abort(self, request_id: str) -> None:

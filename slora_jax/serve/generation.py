@@ -8,6 +8,10 @@ with "stop" and is aborted in the engine, which frees its pages.
 A request the engine ended with an error is answered by whose fault it was (``RequestOutput.error_kind``): the
 request's own (a bad adapter, inputs that cannot be packed) 400; a first-token deadline it could not meet (early
 abort) 503 ``deadline_exceeded``, so the client retries later or elsewhere; anything else 500.
+
+A request for ``n`` samples is ``n`` engine requests (one prefill, see ``engine.forks``) answered as ``n`` choices
+(``choices.Choice``): the response lists them by index, a stream interleaves their chunks. If one fails, the request
+fails (the others are aborted). Usage counts the prompt once and every choice's tokens.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine.detok import IncrementalDetokenizer
 from ..engine.engine import QueueFull, RequestRejected
+from ..engine.forks import sample_ids
 from ..engine.sequence import RequestOutput
 from ..lora.peft import AdapterError
+from .choices import Choice
 from .engine_thread import EngineThread, EngineUnavailable, RequestStream
 from .metrics import ServerMetrics
 from .protocol import APIError, chat_choice, chat_delta, completion_choice, envelope, new_id, usage
@@ -54,72 +59,78 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 class Generation:
-    """The state of one request's answer: its text and tokens so far, how it ended, and its latency metrics."""
+    """The state of one request's answer: its choices so far (text, tokens, how each ended) and latency metrics."""
 
     def __init__(self, prepared: PreparedRequest, rid: str, stream: RequestStream, engine_thread: EngineThread,
                  metrics: ServerMetrics, arrival: float, tokenizer, adapter_label: str | None = None):
         self.req, self.rid, self.stream = prepared, rid, stream
         self.adapter_label = adapter_label  # its label in the per-adapter series (None: the base model)
         self.engine_thread, self.metrics, self.arrival = engine_thread, metrics, arrival
-        self.detok = IncrementalDetokenizer(tokenizer, prepared.sampling.stop)
+        self.choices = [Choice(i, sid, tokenizer, prepared.sampling.stop)
+                        for i, sid in enumerate(sample_ids(rid, prepared.n))]
+        self._by_request = {c.request_id: c for c in self.choices}
         self.created = int(time.time())
-        self.last_token_time: float | None = None
-        self.done = False
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self.error_kind: str | None = None
+        self.first_token = False
+        self.failed: Choice | None = None  # the first choice that ended in error or abort: the answer fails
 
     @property
-    def token_ids(self) -> list[int]:
-        return self.detok.ids
+    def done(self) -> bool:
+        """Every choice is complete, or one failed (then the answer fails)."""
+        return self.failed is not None or all(c.done for c in self.choices)
 
-    def _record(self, out: RequestOutput) -> str:
-        """Account for one output; returns the text that may be sent now. Sets ``done`` at the end."""
+    def _record(self, out: RequestOutput) -> tuple[Choice, str]:
+        """Account for one output; returns its choice and the text that may be sent now."""
+        choice = self._by_request[out.request_id]
+        if choice.done:  # ended by a stop string: tokens already on their way are dropped
+            choice.ended |= out.finished
+            return choice, ""
         now = time.monotonic()
         if out.new_token_ids:
-            if self.last_token_time is None:
+            if not self.first_token:
                 self.metrics.ttft.observe(now - self.arrival)
-            else:
-                self.metrics.tpot.observe((now - self.last_token_time) / len(out.new_token_ids))
-            self.last_token_time = now
+                self.first_token = True
+            elif choice.last_token_time is not None:
+                self.metrics.tpot.observe((now - choice.last_token_time) / len(out.new_token_ids))
+            choice.last_token_time = now
             self.metrics.generated_tokens.inc(len(out.new_token_ids))
             if self.adapter_label is not None:
                 self.metrics.adapter_tokens.labels(self.adapter_label).inc(len(out.new_token_ids))
-        self.detok.add(out.new_token_ids, final=out.finished)
-        reason = out.finish_reason if out.finished else None
-        if self.detok.stopped and reason != "stop":
-            # a stop string: end here and free the engine's pages now (the engine does not watch stop strings)
-            reason = "stop"
-            self.engine_thread.abort(self.rid)
-        if reason is not None:
-            self.done = True
-            self.finish_reason, self.error, self.error_kind = reason, out.error, out.error_kind
-            deadline = reason == "error" and out.error_kind == DEADLINE
-            self.metrics.finished.labels("deadline" if deadline else reason).inc()
-            if reason in ("stop", "length"):
+        text, stopped = choice.add(out)
+        if stopped:  # a stop string: end here and free the engine's pages now (the engine does not watch them)
+            self.engine_thread.abort(choice.request_id)
+        if choice.done:
+            deadline = choice.finish_reason == "error" and choice.error_kind == DEADLINE
+            self.metrics.finished.labels("deadline" if deadline else choice.finish_reason).inc()
+            if not choice.ok and self.failed is None:
+                self.failed = choice
+            if self.done and self.failed is None:
                 self.metrics.e2e.observe(now - self.arrival)
-        return self.detok.take(final=self.done)
+        return choice, text
 
     def _abort_if_open(self) -> None:
-        if not self.stream.finished:
-            self.engine_thread.abort(self.rid)
-        if not self.done:  # the client went away first
-            self.done, self.finish_reason = True, "abort"
-            self.metrics.finished.labels("client_disconnect").inc()
+        for choice in self.choices:
+            if not choice.ended:
+                self.engine_thread.abort(choice.request_id)
+            if not choice.done:  # the client went away first (or another choice failed)
+                choice.done, choice.finish_reason = True, "abort"
+                self.metrics.finished.labels("client_disconnect" if self.failed is None else "abort").inc()
 
     def _failure(self) -> APIError:
-        if self.finish_reason == "error":
-            message = self.error or "generation failed"
-            if self.error_kind == DEADLINE:
+        choice = self.failed
+        if choice is None:
+            return APIError(503, "the request was aborted")
+        if choice.finish_reason == "error":
+            message = choice.error or "generation failed"
+            if choice.error_kind == DEADLINE:
                 return APIError(503, message, error_type="deadline_exceeded")
-            return APIError(400 if self.error_kind in CLIENT_FAULTS else 500, message)
-        return APIError(503, self.error or f"the request was aborted ({self.finish_reason})")  # e.g. shutting down
+            return APIError(400 if choice.error_kind in CLIENT_FAULTS else 500, message)
+        return APIError(503, choice.error or f"the request was aborted ({choice.finish_reason})")  # shutting down
 
     def _ok(self) -> bool:
-        return self.finish_reason in ("stop", "length")
+        return self.failed is None and self.done
 
     def _usage(self) -> dict:
-        return usage(len(self.req.prompt_ids), len(self.token_ids))
+        return usage(len(self.req.prompt_ids), sum(len(c.token_ids) for c in self.choices))
 
     # ---------------------------------------------------------------- whole response
     async def collect(self, request: Request) -> dict | None:
@@ -138,22 +149,28 @@ class Generation:
             self._abort_if_open()
         if not self._ok():
             raise self._failure()
+        return envelope(self.req.kind, self.rid, self.req.model, [self._choice(c) for c in self.choices],
+                        chunk=False, created=self.created, usage=self._usage())
+
+    def _choice(self, c: Choice) -> dict:
         with_ids = self.req.return_token_ids
         make_choice = completion_choice if self.req.kind == "completion" else chat_choice
-        choice = make_choice(self.detok.text, self.finish_reason, self.token_ids if with_ids else None)
+        choice = make_choice(c.text, c.finish_reason, c.token_ids if with_ids else None)
+        choice["index"] = c.index
         if with_ids:
             choice["prompt_token_ids"] = self.req.prompt_ids
-        return envelope(self.req.kind, self.rid, self.req.model, [choice], chunk=False, created=self.created,
-                        usage=self._usage())
+        return choice
 
     # ---------------------------------------------------------------- server-sent events
-    def _chunk(self, text: str, finish_reason: str | None, ids: list[int] | None, role: bool = False) -> str:
+    def _chunk(self, index: int, text: str, finish_reason: str | None, ids: list[int] | None,
+               role: bool = False) -> str:
         ids = ids if self.req.return_token_ids else None
         if self.req.kind == "completion":
             choice = completion_choice(text, finish_reason, ids)
         else:
             delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
             choice = chat_delta(delta, finish_reason, ids)
+        choice["index"] = index
         if role and self.req.return_token_ids:
             choice["prompt_token_ids"] = self.req.prompt_ids
         body = envelope(self.req.kind, self.rid, self.req.model, [choice], chunk=True, created=self.created)
@@ -162,16 +179,20 @@ class Generation:
     async def events(self) -> AsyncIterator[str]:
         try:
             if self.req.kind == "chat":
-                yield self._chunk("", None, None, role=True)
+                for c in self.choices:
+                    yield self._chunk(c.index, "", None, None, role=True)
             async for out in self.stream:
-                text = self._record(out)
-                if self.done and not self._ok():
+                was_done = self._by_request[out.request_id].done
+                c, text = self._record(out)
+                if was_done:
+                    continue
+                if self.failed is not None:
                     if out.new_token_ids or text:
-                        yield self._chunk(text, None, out.new_token_ids)
+                        yield self._chunk(c.index, text, None, out.new_token_ids)
                     yield f"data: {json.dumps(self._failure().body())}\n\n"
                     break
-                if text or self.done or (self.req.return_token_ids and out.new_token_ids):
-                    yield self._chunk(text, self.finish_reason, out.new_token_ids)
+                if text or c.done or (self.req.return_token_ids and out.new_token_ids):
+                    yield self._chunk(c.index, text, c.finish_reason, out.new_token_ids)
                 if self.done:
                     break
             if self.req.include_usage:
@@ -197,7 +218,7 @@ class GenerationRunner:
         try:
             stream = await self.engine_thread.submit(prepared.prompt_ids, prepared.adapter, prepared.sampling, rid,
                                                      watch_stop_strings=False, tenant=prepared.tenant,
-                                                     first_token_slo_s=prepared.first_token_slo_s,
+                                                     first_token_slo_s=prepared.first_token_slo_s, n=prepared.n,
                                                      grammar=prepared.grammar)
         except QueueFull as e:
             raise APIError(429, f"the server is busy: {e}") from None

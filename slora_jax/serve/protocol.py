@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
+from ..engine.forks import MAX_SAMPLES
 from ..engine.sampling import SamplingParams
 
 
@@ -75,7 +76,7 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
-    n: int = 1
+    n: int | None = 1  # samples (choices) to return; null: 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -100,12 +101,17 @@ class _Request(BaseModel):
         if slo is not None and not (slo > 0 and math.isfinite(slo)):
             raise APIError(400, f"first_token_slo_s must be a positive finite number of seconds, got {slo!r}",
                            "first_token_slo_s")
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported (only n=1)", "n")
+        if not 1 <= self.samples <= MAX_SAMPLES:
+            raise APIError(400, f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n}", "n")
         if self.presence_penalty or self.frequency_penalty:
             raise APIError(400, "presence_penalty and frequency_penalty are not supported", "presence_penalty")
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias")
+
+    @property
+    def samples(self) -> int:
+        """How many choices the answer has (``n``)."""
+        return 1 if self.n is None else self.n
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """SamplingParams with OpenAI's defaults (temperature 1, top_p 1); raises ValueError on bad values.
@@ -140,8 +146,8 @@ class CompletionRequest(_Request):
             raise APIError(400, "echo is not supported", "echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "best_of is not supported (only 1)", "best_of")
+        if self.best_of not in (None, self.samples):
+            raise APIError(400, f"best_of={self.best_of} is not supported (only best_of equal to n)", "best_of")
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (a batch of prompts is refused: n=1, one choice per response)."""

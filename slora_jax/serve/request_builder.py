@@ -52,6 +52,7 @@ class PreparedRequest:
     include_usage: bool
     tenant: str | None = None  # from the tenant header; None: the engine counts the request towards its adapter
     first_token_slo_s: float | None = None  # the request's own first-token deadline; None: the server's default
+    n: int = 1  # samples (choices) to generate
     grammar: GrammarMatcher | None = None  # what the output must match (structured output)
 
 
@@ -200,5 +201,5 @@ class RequestBuilder:
             raise APIError(400, str(e)) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return PreparedRequest(kind, req.model, adapter, prompt_ids, sampling, req.return_token_ids, req.stream,
-                               include_usage, tenant, req.first_token_slo_s,
+                               include_usage, tenant, req.first_token_slo_s, n=req.samples,
                                grammar=self.grammars.for_request(req))

@@ -1,0 +1,49 @@
+"""One choice of an answer (OpenAI's ``n``): a sample's text, tokens and how it ended.
+
+A request for ``n`` samples runs as ``n`` engine requests (``engine.forks``: one prefill, the prompt's pages shared);
+each becomes a :class:`Choice` with its own detokenizer, so stop strings are watched per choice and a choice that hits
+one ends alone. The response lists the choices by index; a stream interleaves their chunks, each with its index.
+"""
+
+from __future__ import annotations
+
+from ..engine.detok import IncrementalDetokenizer
+from ..engine.sequence import RequestOutput
+
+
+class Choice:
+    def __init__(self, index: int, request_id: str, tokenizer, stop: tuple[str, ...]):
+        self.index, self.request_id = index, request_id  # its place in the answer; its engine request id
+        self.detok = IncrementalDetokenizer(tokenizer, stop)
+        self.done = False  # its answer is complete: the engine ended it, or a stop string matched
+        self.ended = False  # the engine sent its last output (else it is aborted when the answer ends)
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.error_kind: str | None = None
+        self.last_token_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.detok.ids
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason in ("stop", "length")
+
+    def add(self, out: RequestOutput) -> tuple[str, bool]:
+        """Take one engine output; returns (the text that may be sent now, whether a stop string ended the choice
+        here: the engine does not watch stop strings, so the caller must abort its engine request)."""
+        self.ended |= out.finished
+        self.detok.add(out.new_token_ids, final=out.finished)
+        reason = out.finish_reason if out.finished else None
+        stopped = self.detok.stopped and reason != "stop"
+        if stopped:
+            reason = "stop"
+        if reason is not None:
+            self.done = True
+            self.finish_reason, self.error, self.error_kind = reason, out.error, out.error_kind
+        return self.detok.take(final=self.done), stopped
