@@ -50,17 +50,29 @@ def packed_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def read_row(packed: np.ndarray, token_id: int, n_top: int) -> TokenLogprob:
     """The host's view of one packed row: ``token_id``'s logprob and the ``n_top`` most likely tokens."""
-    lp = packed[:1].view(np.float32)
-    ids = packed[1:1 + MAX_LOGPROBS]
-    top_lp = packed[1 + MAX_LOGPROBS:].view(np.float32)
-    n = min(n_top, int((ids >= 0).sum()))
-    return TokenLogprob(int(token_id), float(lp[0]), tuple(zip(ids[:n].tolist(), top_lp[:n].tolist(), strict=True)))
+    return _Rows(packed[None]).read(0, token_id, n_top)
 
 
 def read_prompt(packed: np.ndarray, prompt_ids: list[int], first_row: int, n_top: int) -> list[TokenLogprob | None]:
     """Prompt logprobs from an echo prefill's per-row output: None for the first token (nothing precedes it), then
     token i's logprob from row ``first_row + i - 1`` (the row that predicts it)."""
-    return [None] + [read_row(packed[first_row + i - 1], prompt_ids[i], n_top) for i in range(1, len(prompt_ids))]
+    rows = _Rows(packed[first_row:first_row + len(prompt_ids) - 1])
+    return [None] + [rows.read(i - 1, prompt_ids[i], n_top) for i in range(1, len(prompt_ids))]
+
+
+class _Rows:
+    """Packed rows as Python lists, converted once per step (a per-row numpy read costs more than the token)."""
+
+    def __init__(self, packed: np.ndarray):
+        self.chosen = packed[:, 0].view(np.float32).tolist()
+        self.ids = packed[:, 1:1 + MAX_LOGPROBS].tolist()
+        self.values = packed[:, 1 + MAX_LOGPROBS:].view(np.float32).tolist()
+        self.valid = int((packed[0, 1:1 + MAX_LOGPROBS] >= 0).sum()) if len(packed) else 0  # tiny vocabularies
+
+    def read(self, row: int, token_id: int, n_top: int) -> TokenLogprob:
+        n = min(n_top, self.valid)
+        top = tuple(zip(self.ids[row][:n], self.values[row][:n], strict=True))
+        return TokenLogprob(int(token_id), self.chosen[row], top)
 
 
 class StepLogprobs:
@@ -70,18 +82,18 @@ class StepLogprobs:
 
     def __init__(self, output, n_top: list[int | None], prompt: list[tuple[int, int] | None]):
         self.output, self.n_top, self.prompt = output, n_top, prompt
-        self._rows: np.ndarray | None = None
+        self._rows: _Rows | None = None
         self._prompt_rows: np.ndarray | None = None
 
     @staticmethod
     def of_step(output, seqs: list, items: list) -> StepLogprobs | None:
         """For the step just dispatched with ``items`` (StepItems, rows in order) of ``seqs``; None if nobody asked."""
         n_top = [seq.sampling.logprobs for seq in seqs]
+        if all(n is None for n in n_top) and not any(it.prompt_logprobs for it in items):
+            return None
         starts = np.cumsum([0] + [len(it.tokens) for it in items])
         prompt = [(int(starts[i]), seq.sampling.prompt_logprobs) if it.prompt_logprobs else None
                   for i, (seq, it) in enumerate(zip(seqs, items, strict=True))]
-        if all(n is None for n in n_top) and not any(prompt):
-            return None
         return StepLogprobs(output, n_top, prompt)
 
     def row(self, row: int, token_id: int, seq) -> tuple[TokenLogprob | None, list | None]:
@@ -90,8 +102,8 @@ class StepLogprobs:
         token = prompt = None
         if self.n_top[row] is not None:
             if self._rows is None:
-                self._rows = np.asarray(self.output.logprobs)
-            token = read_row(self._rows[row], token_id, self.n_top[row])
+                self._rows = _Rows(np.asarray(self.output.logprobs))
+            token = self._rows.read(row, token_id, self.n_top[row])
         if self.prompt[row] is not None:
             if self._prompt_rows is None:
                 self._prompt_rows = np.asarray(self.output.prompt_logprobs)
