@@ -144,11 +144,12 @@ def build_engine(args, tp_size: int, num_pages: int | None = None):
                             min_prefill_bucket=64, layer_loop="unroll")
         dtype = jnp.float32
     else:
-        ecfg = EngineConfig(max_batch_size=max(args.batch), max_prefill_tokens=2048, max_prefill_seqs=16,
-                            max_model_len=1024, page_size=16, max_lora_rank=64, max_loras=max(args.adapters, 128),
-                            pool_bytes=int(args.pool_gb * 2**30), dtype="bfloat16", backend="pallas",
-                            min_prefill_bucket=256, min_decode_bucket=16, host_budget_bytes=64 << 30,
-                            layer_loop="unroll")
+        ecfg = EngineConfig(max_batch_size=max(args.batch), max_prefill_tokens=args.max_prefill_tokens,
+                            max_prefill_seqs=16, max_model_len=1024, page_size=16, max_lora_rank=64,
+                            max_loras=max(args.adapters, 128), pool_bytes=int(args.pool_gb * 2**30),
+                            dtype="bfloat16", backend="pallas", min_prefill_bucket=256, min_decode_bucket=16,
+                            host_budget_bytes=64 << 30, layer_loop="unroll",
+                            decode_lora_variants=not args.no_lora_variants)
         dtype = jnp.bfloat16
     import dataclasses
 
@@ -163,6 +164,7 @@ def build_engine(args, tp_size: int, num_pages: int | None = None):
 def run_step(args, tp_size: int) -> dict:
     import jax
 
+    from slora_jax.engine import compile_counter
     from slora_jax.engine.step_runner import StepItem
     from slora_jax.lora.synthetic import SyntheticAdapterSource
 
@@ -183,6 +185,7 @@ def run_step(args, tp_size: int) -> dict:
             items.append(StepItem([1], args.context - 1, pages, pool.slot_of(f"a{b % args.adapters}"), None, 0, 0))
         tokens, pool.array = runner.decode(engine.params, pool.array, pool.table, items, lora="attn")
         tokens.block_until_ready()  # compiled
+        compiles = compile_counter.compile_count()
         t = time.perf_counter()
         for _ in range(args.steps):  # queued back to back: the host builds step k+1 while the device runs step k
             tokens, pool.array = runner.decode(engine.params, pool.array, pool.table, items, lora="attn")
@@ -194,7 +197,7 @@ def run_step(args, tp_size: int) -> dict:
                                         min(batch, args.adapters) * args.rank)
         rows.append(dict(tp=tp_size, batch=batch, context=args.context, step_ms=step_s * 1e3,
                          floor_ms=floor_s * 1e3, over_floor=step_s / floor_s, **parts,
-                         compiles_after_first=engine.compiles_since_warmup()))
+                         compiles_while_timed=compile_counter.compile_count() - compiles))
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
     return {"copy_gbps": bw, "allreduce_us": ar, "rows": rows, "device": jax.devices()[0].device_kind}
 
@@ -255,6 +258,10 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=128, help="step: distinct adapters (row b uses b % N)")
     ap.add_argument("--steps", type=int, default=30, help="step: timed steps per batch size")
     ap.add_argument("--pool-gb", type=float, default=40.0, help="pool per device")
+    ap.add_argument("--max-prefill-tokens", type=int, default=2048,
+                    help="largest prefill bucket (fewer buckets: a shorter warm-up for 70B)")
+    ap.add_argument("--no-lora-variants", action="store_true",
+                    help="compile one decode variant per bucket instead of three (shorter warm-up)")
     ap.add_argument("--ns", default="5,1000", help="serving: adapter counts")
     ap.add_argument("--requests", type=int, default=256, help="serving: requests per saturation trace")
     ap.add_argument("--budget-s", type=float, default=1500.0, help="serving: stop starting traces after this")

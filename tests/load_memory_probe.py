@@ -19,6 +19,7 @@ import sys
 import time
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"  # host memory is the question: the CPU devices, even on a GPU machine
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
