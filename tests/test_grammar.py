@@ -144,6 +144,9 @@ def test_a_token_outside_the_grammar_breaks_the_matcher(compiler, tokenizer):
     (GrammarSpec("choice", []), "non-empty list"),
     (GrammarSpec("choice", ["a", 3]), "non-empty list"),
     (GrammarSpec("grammar", "start: foo"), "foo"),
+    (GrammarSpec("regex", "\ud800"), "surrogates"),
+    (GrammarSpec("choice", ["c"] * 2001), "at most 2000"),
+    (GrammarSpec("json_schema", {"$ref": "#"}), "cannot compile"),  # fails at its first mask
 ])
 def test_bad_grammars_raise_with_the_reason(compiler, spec, reason):
     with pytest.raises(GrammarError, match=reason):

@@ -95,6 +95,16 @@ COMMON_BAD = {
     "logit_bias": [{"1": 5}, "x", {"1": "x"}, [1]],
     "user": [5, ["x"], {}],
     "return_token_ids": ["maybe", [], 2],
+    # structured output: wrong shapes, grammars that do not compile, several at once, lone surrogates
+    "response_format": ["json", 5, [], {}, {"type": "xml"}, {"type": "json_schema"},
+                        {"type": "json_schema", "json_schema": {"schema": 5}},
+                        {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}],
+    "guided_json": [5, [], "{", {"type": "objectx"}, {"$ref": "#"}, {"type": "string", "pattern": "(("},
+                    {"type": "string", "pattern": "\ud800"}],
+    "guided_regex": [5, [], "((", "\ud800", "a{2,1}"],
+    "guided_choice": ["x", [], [5], [""], ["\ud800"], ["c"] * 2001],
+    "guided_grammar": [5, "start: undefined_rule", "\ud800"],
+    "structured_outputs": ["x", {}, {"regex": "a", "choice": ["b"]}, {"regex": "(("}, {"json": 5}],
 }
 COMPLETION_BAD = {
     "prompt": [None, 5, "", [], [[]], [""], [-1], [VOCAB], [2**31], [10**30], [1.5], ["a", "b"], [[1], [2]],

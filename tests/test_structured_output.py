@@ -190,6 +190,12 @@ def test_bad_grammars_are_400_with_the_reason(client, body, reason, stream):
         client.completions.create(model=BASE_NAME, prompt="hi", max_tokens=4, stream=stream, extra_body=body)
 
 
+def test_grammar_over_the_parser_limits_ends_with_400(client):
+    """A regex too large to follow ends when its lexer gives up (here or at compile), never costing every step."""
+    with pytest.raises(openai.BadRequestError, match="too many expressions"):
+        client.completions.create(model=BASE_NAME, prompt="hi", max_tokens=40, extra_body={"guided_regex": "a{100000}"})
+
+
 def test_text_format_and_good_requests_after_bad_ones(client):
     r = client.chat.completions.create(model=BASE_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                        temperature=0, response_format={"type": "text"})

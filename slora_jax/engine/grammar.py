@@ -26,9 +26,12 @@ MASK_BITS = 32  # a mask row is int32 words; bit j of word w allows token 32 * w
 # Defaults for JSON schemas: no free whitespace between tokens (a sampled run of spaces or newlines would never end
 # an object), compact separators. A schema's own "x-guidance" options override these.
 JSON_DEFAULTS = {"whitespace_flexible": False}
-# Parser limits for untrusted grammars (llguidance's units): bound compile work and each step's mask work.
-LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000, max_grammar_size=200_000,
+# Parser limits for untrusted grammars (llguidance's units): bound compile work and each step's mask work. The
+# initial lexer fuel is under llguidance's default (1M) so that a regex like a{100000}, whose every mask would take
+# ~100 ms of the engine thread, is refused when it is compiled; a 40-property schema with patterns uses far less.
+LIMITS = dict(initial_lexer_fuel=300_000, step_lexer_fuel=200_000, step_max_items=50_000, max_grammar_size=200_000,
               verbose_errors=False)
+MAX_CHOICES = 2000  # llguidance's alternatives per grammar row (max_items_in_row): refused at once beyond it
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
@@ -75,6 +78,8 @@ class GrammarSpec:
                 if (not isinstance(choices, list | tuple) or not choices
                         or not all(isinstance(c, str) and c for c in choices)):
                     raise GrammarError("a choice must be a non-empty list of non-empty strings")
+                if len(choices) > MAX_CHOICES:
+                    raise GrammarError(f"a choice may have at most {MAX_CHOICES} strings, got {len(choices)}")
                 return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
             case "grammar":
                 if not isinstance(self.source, str):
@@ -124,16 +129,23 @@ class GrammarCompiler:
 
         if self.tokenizer is None:
             raise GrammarError("structured output needs the model's tokenizer; this server has none")
-        grammar = spec.llguidance_grammar()
+        what = spec.kind.replace("_", " ")
         tok = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        limits = llguidance.LLParserLimits(**LIMITS)
-        matcher = llguidance.LLMatcher(tok, grammar, log_level=0, limits=limits)
+        try:
+            grammar = spec.llguidance_grammar()
+            matcher = llguidance.LLMatcher(tok, grammar, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
+        except GrammarError:
+            raise
+        except (ValueError, TypeError) as e:  # e.g. a lone UTF-16 surrogate (UnicodeEncodeError) in a pattern
+            raise GrammarError(f"cannot compile the {what}: {e}") from None
         if matcher.is_error():
-            raise GrammarError(f"cannot compile the {spec.kind.replace('_', ' ')}: {_first_lines(matcher.get_error())}")
-        self.compiles += 1
+            raise GrammarError(f"cannot compile the {what}: {_first_lines(matcher.get_error())}")
         out = GrammarMatcher(matcher, self.vocab_size, self.eos_token_ids)
-        if first_mask:
+        if first_mask:  # the lexer is built lazily: a grammar over the limits fails here, before it is queued
             out.mask()
+            if out.error is not None:
+                raise GrammarError(f"cannot compile the {what}: {out.error}")
+        self.compiles += 1
         return out
 
 
