@@ -90,9 +90,12 @@ COMMON_BAD = {
     "n": [0, 2, -1, 2**63, "x", 1.5],
     "stream": ["maybe", 2, [], {}],
     "stream_options": ["x", 5, {"include_usage": "maybe"}],
-    "presence_penalty": [0.5, -2, 1e30, "x", NAN],
-    "frequency_penalty": [0.5, 1e308, "x", INF],
-    "logit_bias": [{"1": 5}, "x", {"1": "x"}, [1]],
+    "presence_penalty": [2.5, -2.01, 1e30, "x", NAN],
+    "frequency_penalty": [-3, 1e308, "x", INF],
+    "repetition_penalty": [0, -1, 100.5, 1e308, "x", NAN, INF],
+    "min_tokens": [-1, "x", 1.5, 3, 2**63, 10**30],  # 3: more than max_tokens
+    "logit_bias": [{"1": 101}, {"1": -100.5}, "x", {"1": "x"}, [1], {"x": 1}, {"-1": 1}, {"1.5": 1}, {"٣": 1},
+                   {str(VOCAB): 1}, {str(2**40): 1}, {"1": NAN}, {str(i): 1 for i in range(301)}],
     "user": [5, ["x"], {}],
     "return_token_ids": ["maybe", [], 2],
     # structured output: wrong shapes, grammars that do not compile, several at once, lone surrogates
@@ -109,8 +112,8 @@ COMMON_BAD = {
 COMPLETION_BAD = {
     "prompt": [None, 5, "", [], [[]], [""], [-1], [VOCAB], [2**31], [10**30], [1.5], ["a", "b"], [[1], [2]],
                {"a": 1}, "\ud800", ["ok", "\ud800"], "x" * (MAX_CHARS + 1), [1] * (CONTEXT + 1), [[1] * CONTEXT]],
-    "logprobs": [1, "x", -1],
-    "echo": [True, "x"],
+    "logprobs": [21, "x", -1, 1.5, 2**63],
+    "echo": ["x", [], 2],
     "suffix": ["x", 5],
     "best_of": [2, 0, "x"],
 }
@@ -126,8 +129,8 @@ CHAT_BAD = {
                  # within the character limit, beyond the context
                  [{"role": "user", "content": "The quick brown fox. " * 150}]],
     "max_completion_tokens": [0, -1, 2**63, 10**30, "x", 1.5, INF],
-    "logprobs": [True, "x"],
-    "top_logprobs": [5, "x"],
+    "logprobs": ["x", 5, []],
+    "top_logprobs": [5, "x", -1, 21, 1.5],  # without logprobs, or out of range
     "tools": [[{"type": "function", "function": {"name": "f"}}], "x"],
     "add_generation_prompt": ["maybe", []],
 }

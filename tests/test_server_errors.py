@@ -168,9 +168,10 @@ def test_request_larger_than_the_pool_is_refused_not_queued_forever(http):
     ({"top_k": -3}, "top_k"),
     ({"seed": -1}, "seed"),
     ({"n": 17}, "n must be"),
-    ({"logprobs": 1}, "logprobs"),
-    ({"echo": True}, "echo"),
-    ({"presence_penalty": 0.5}, "penalty"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"max_tokens": 0}, "echo"),
+    ({"presence_penalty": 2.5}, "penalty"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"stop": [""]}, "stop"),
     ({"prompt": ["a", "b"]}, "batch"),
     ({"prompt": [1, 2, 999999]}, "token ids"),
@@ -180,10 +181,11 @@ def test_invalid_sampling_values(http, extra, fragment):
     assert_serving(http)
 
 
-def test_chat_logprobs_unsupported(http, srv):
+def test_chat_top_logprobs_needs_logprobs(http, srv):
     client = openai.OpenAI(base_url=srv.base_url, api_key=KEY, max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.chat.completions.create(model=BASE_NAME, messages=[{"role": "user", "content": "hi"}], logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=BASE_NAME, messages=[{"role": "user", "content": "hi"}],
+                                       top_logprobs=2)
     assert_serving(http)
 
 

@@ -31,6 +31,7 @@ from ..engine.sequence import RequestOutput
 from ..lora.peft import AdapterError
 from .choices import Choice
 from .engine_thread import EngineThread, EngineUnavailable, RequestStream
+from .logprob_format import ChoiceLogprobs, TokenTexts
 from .metrics import ServerMetrics
 from .protocol import APIError, chat_choice, chat_delta, completion_choice, envelope, new_id, usage
 from .request_builder import PreparedRequest
@@ -62,13 +63,21 @@ class Generation:
     """The state of one request's answer: its choices so far (text, tokens, how each ended) and latency metrics."""
 
     def __init__(self, prepared: PreparedRequest, rid: str, stream: RequestStream, engine_thread: EngineThread,
-                 metrics: ServerMetrics, arrival: float, tokenizer, adapter_label: str | None = None):
+                 metrics: ServerMetrics, arrival: float, tokenizer, adapter_label: str | None = None,
+                 token_texts: TokenTexts | None = None):
         self.req, self.rid, self.stream = prepared, rid, stream
         self.adapter_label = adapter_label  # its label in the per-adapter series (None: the base model)
         self.engine_thread, self.metrics, self.arrival = engine_thread, metrics, arrival
         self.choices = [Choice(i, sid, tokenizer, prepared.sampling.stop)
                         for i, sid in enumerate(sample_ids(rid, prepared.n))]
         self._by_request = {c.request_id: c for c in self.choices}
+        sp = prepared.sampling
+        asked = sp.logprobs is not None or sp.prompt_logprobs is not None
+        texts = token_texts or TokenTexts(tokenizer)
+        # per choice index, when logprobs were asked for; and the choices whose echoed prompt is still to stream
+        self.logprobs = {c.index: ChoiceLogprobs(prepared.kind, texts, prepared.prompt_ids)
+                         for c in self.choices} if asked else {}
+        self.echo_pending = {c.index for c in self.choices} if prepared.echo_text is not None else set()
         self.created = int(time.time())
         self.first_token = False
         self.failed: Choice | None = None  # the first choice that ended in error or abort: the answer fails
@@ -96,6 +105,8 @@ class Generation:
             if self.adapter_label is not None:
                 self.metrics.adapter_tokens.labels(self.adapter_label).inc(len(out.new_token_ids))
         text, stopped = choice.add(out)
+        if self.logprobs:
+            self.logprobs[choice.index].add(out)
         if stopped:  # a stop string: end here and free the engine's pages now (the engine does not watch them)
             self.engine_thread.abort(choice.request_id)
         if choice.done:
@@ -155,8 +166,10 @@ class Generation:
     def _choice(self, c: Choice) -> dict:
         with_ids = self.req.return_token_ids
         make_choice = completion_choice if self.req.kind == "completion" else chat_choice
-        choice = make_choice(c.text, c.finish_reason, c.token_ids if with_ids else None)
+        choice = make_choice((self.req.echo_text or "") + c.text, c.finish_reason, c.token_ids if with_ids else None)
         choice["index"] = c.index
+        if self.logprobs:
+            choice["logprobs"] = self.logprobs[c.index].whole()
         if with_ids:
             choice["prompt_token_ids"] = self.req.prompt_ids
         return choice
@@ -165,12 +178,17 @@ class Generation:
     def _chunk(self, index: int, text: str, finish_reason: str | None, ids: list[int] | None,
                role: bool = False) -> str:
         ids = ids if self.req.return_token_ids else None
+        if index in self.echo_pending:  # the answer starts with the prompt
+            self.echo_pending.discard(index)
+            text = self.req.echo_text + text
         if self.req.kind == "completion":
             choice = completion_choice(text, finish_reason, ids)
         else:
             delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
             choice = chat_delta(delta, finish_reason, ids)
         choice["index"] = index
+        if self.logprobs and not role:
+            choice["logprobs"] = self.logprobs[index].take()
         if role and self.req.return_token_ids:
             choice["prompt_token_ids"] = self.req.prompt_ids
         body = envelope(self.req.kind, self.rid, self.req.model, [choice], chunk=True, created=self.created)
@@ -191,7 +209,8 @@ class Generation:
                         yield self._chunk(c.index, text, None, out.new_token_ids)
                     yield f"data: {json.dumps(self._failure().body())}\n\n"
                     break
-                if text or c.done or (self.req.return_token_ids and out.new_token_ids):
+                fresh = c.index in self.echo_pending or (self.logprobs and self.logprobs[c.index].pending())
+                if text or c.done or fresh or (self.req.return_token_ids and out.new_token_ids):
                     yield self._chunk(c.index, text, c.finish_reason, out.new_token_ids)
                 if self.done:
                     break
@@ -209,6 +228,7 @@ class GenerationRunner:
 
     def __init__(self, engine_thread: EngineThread, metrics: ServerMetrics, tokenizer):
         self.engine_thread, self.metrics, self.tokenizer = engine_thread, metrics, tokenizer
+        self.token_texts = TokenTexts(tokenizer)  # token id -> text, for logprobs
 
     async def start(self, prepared: PreparedRequest, arrival: float) -> Generation:
         """Queue the request in the engine; the engine's refusals become API errors naming the field to blame."""
@@ -235,7 +255,8 @@ class GenerationRunner:
         self.metrics.prompt_tokens.inc(len(prepared.prompt_ids))
         if label is not None:
             self.metrics.adapter_requests.labels(label).inc()
-        return Generation(prepared, rid, stream, self.engine_thread, self.metrics, arrival, self.tokenizer, label)
+        return Generation(prepared, rid, stream, self.engine_thread, self.metrics, arrival, self.tokenizer, label,
+                          self.token_texts)
 
     async def respond(self, prepared: PreparedRequest, arrival: float, request: Request) -> Response:
         gen = await self.start(prepared, arrival)

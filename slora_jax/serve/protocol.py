@@ -1,8 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API (vLLM's field names and extensions).
 
-Only what we can serve exactly is accepted: a field we do not implement (logprobs, n > 1, echo, penalties) is
-rejected with a 400 that names it rather than silently ignored, so a client never gets a subtly different answer.
-Unknown extra fields are ignored, as OpenAI clients send several optional ones.
+Only what we can serve exactly is accepted: a field we do not implement (``suffix``, ``tools``) is rejected with a
+400 that names it rather than silently ignored, so a client never gets a subtly different answer. Unknown extra
+fields are ignored, as OpenAI clients send several optional ones.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
 from ..engine.forks import MAX_SAMPLES
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -81,6 +81,8 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM extension
+    min_tokens: int = 0  # vLLM extension
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # structured output (structured.py): OpenAI's response_format; vLLM's guided_* and structured_outputs
@@ -103,10 +105,16 @@ class _Request(BaseModel):
                            "first_token_slo_s")
         if not 1 <= self.samples <= MAX_SAMPLES:
             raise APIError(400, f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n}", "n")
-        if self.presence_penalty or self.frequency_penalty:
-            raise APIError(400, "presence_penalty and frequency_penalty are not supported", "presence_penalty")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        if self.max_tokens is not None and self.max_tokens < 1 and not self.allows_zero_tokens():
+            raise APIError(400, f"max_tokens must be at least 1, got {self.max_tokens} (0 only with echo, in "
+                           "/v1/completions)", "max_tokens")
+
+    def allows_zero_tokens(self) -> bool:
+        return False
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(top alternatives per generated token, per prompt token); None where not asked."""
+        return None, None
 
     @property
     def samples(self) -> int:
@@ -118,6 +126,7 @@ class _Request(BaseModel):
 
         ``default_max_tokens`` applies when the client gave none; None leaves it to the engine (as many as fit)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        logprobs, prompt_logprobs = self.logprob_counts()
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             temperature=1.0 if self.temperature is None else float(self.temperature),
@@ -127,7 +136,24 @@ class _Request(BaseModel):
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self._logit_bias(),
+            min_tokens=self.min_tokens,
         ).validate()
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """OpenAI's {"token id": bias} as (id, bias) pairs; keys must be decimal token ids."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise APIError(400, f"logit_bias keys must be token ids (decimal digits), got {key[:50]!r}",
+                               "logit_bias")
+            pairs.append((int(key), bias))
+        return tuple(pairs)
 
 
 class CompletionRequest(_Request):
@@ -140,14 +166,18 @@ class CompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", "logprobs")
-        if self.echo:
-            raise APIError(400, "echo is not supported", "echo")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         if self.best_of not in (None, self.samples):
             raise APIError(400, f"best_of={self.best_of} is not supported (only best_of equal to n)", "best_of")
+
+    def allows_zero_tokens(self) -> bool:
+        return self.echo and self.max_tokens == 0  # just the prompt (and its logprobs): scoring
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (a batch of prompts is refused: n=1, one choice per response)."""
@@ -193,15 +223,22 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True  # vLLM extension
 
     def check_supported(self) -> None:
-        super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
-        if self.tools:
-            raise APIError(400, "tools are not supported", "tools")
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise APIError(400, "max_tokens and max_completion_tokens disagree", "max_completion_tokens")
             self.max_tokens = self.max_completion_tokens
+        super().check_supported()
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                               "top_logprobs")
+        if self.tools:
+            raise APIError(400, "tools are not supported", "tools")
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
 
 class LoadLoraRequest(BaseModel):

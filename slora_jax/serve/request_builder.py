@@ -53,6 +53,7 @@ class PreparedRequest:
     tenant: str | None = None  # from the tenant header; None: the engine counts the request towards its adapter
     first_token_slo_s: float | None = None  # the request's own first-token deadline; None: the server's default
     n: int = 1  # samples (choices) to generate
+    echo_text: str | None = None  # completions with echo: the prompt's text, which the answer starts with
     grammar: GrammarMatcher | None = None  # what the output must match (structured output)
 
 
@@ -165,6 +166,10 @@ class RequestBuilder:
         prompt_ids = self.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         prepared = self._prepared("completion", req, adapter, prompt_ids, COMPLETION_DEFAULT_MAX_TOKENS, tenant)
         self.check_tokens(len(prompt_ids))
+        if req.echo:  # the answer starts with the prompt's text
+            text = prompt if isinstance(prompt, str) else (
+                self.threads.tokenizer().decode(prompt_ids) if self.has_tokenizer else "")
+            prepared = dataclasses.replace(prepared, echo_text=text)
         return prepared
 
     def build_chat(self, req: ChatCompletionRequest, tenant: str | None = None) -> PreparedRequest:
