@@ -154,6 +154,26 @@ def test_json_object_is_an_object_or_cut_at_length(client):
                 assert finish == "length"
 
 
+def test_n_samples_each_follow_the_grammar(client, srv):
+    """n samples share one compiled grammar; each follows its own copy (streamed: choices by index)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "order", "schema": SCHEMAS[1]}}
+    r = client.chat.completions.create(model=srv.adapters[2], messages=[{"role": "user", "content": "Order?"}], n=3,
+                                       max_tokens=MAX_TOKENS, temperature=1.0, response_format=fmt)
+    assert len(r.choices) == 3
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMAS[1])
+    texts, finishes = ["", ""], [None, None]
+    for chunk in client.completions.create(model=BASE_NAME, prompt="Numbers:", n=2, max_tokens=MAX_TOKENS,
+                                           temperature=1.0, stream=True, extra_body={"guided_json": SCHEMAS[4]}):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert finishes == ["stop", "stop"]
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMAS[4])
+
+
 class Person(BaseModel):
     name: str = Field(max_length=8)
     age: int = Field(ge=0, le=120)
