@@ -28,6 +28,7 @@ class FakePool:
     def __init__(self, num_pages: int):
         self.num_pages = num_pages
         self.num_free_pages = num_pages
+        self.allocator = None  # the scheduler's fork page sharing keeps it; no trace here forks
 
     def alloc_kv_pages(self, n, owner=None):
         assert n <= self.num_free_pages
