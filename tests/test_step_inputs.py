@@ -22,7 +22,11 @@ def _random_inputs(rng, rows=6, seqs=3, pages=5):
     s = SamplingArrays(temperature=rng.standard_normal(seqs).astype(np.float32) * 1e3,
                        top_k=ints(seqs), top_p=rng.random(seqs).astype(np.float32),
                        seed=rng.integers(0, 2**32, size=seqs, dtype=np.uint64).astype(np.uint32), counter=ints(seqs),
-                       token_mask=ints(seqs, 4))
+                       token_mask=ints(seqs, 4), penalty_row=ints(seqs),
+                       presence=rng.standard_normal(seqs).astype(np.float32),
+                       frequency=rng.standard_normal(seqs).astype(np.float32),
+                       repetition=rng.random(seqs).astype(np.float32) + 0.5, prompt_len=ints(seqs),
+                       bias_ids=ints(seqs, 3), bias_values=rng.standard_normal((seqs, 3)).astype(np.float32))
     return batch, s, ints(rows)
 
 
