@@ -64,7 +64,8 @@ def main() -> None:
         build = runner.build_prefill([], n_rows=n) if kind == "prefill" else runner.build_decode([], n=n)
         packed, layout = pack_inputs(*build)
         fn = runner.step_fn(kind, variant)
-        compiled = fn.lower(layout, engine.params, pool.array, pool.table, packed, runner._no_prev).compile()
+        compiled = fn.lower(layout, engine.params, pool.array, pool.table, packed, runner._no_prev,
+                            runner.penalty_state).compile()
         m = compiled.memory_analysis()
         row = {"step": kind, "bucket": n, "pool_bytes": int(pool.array.nbytes),
                "argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
@@ -76,8 +77,9 @@ def main() -> None:
             pool_in = pool.array
             # through the jit function, as serving calls it (an AOT ``compiled`` call would skip jit's argument
             # handling, where an uncommitted pool once cost a second pool-sized buffer)
-            tokens, pool.array = fn(layout, engine.params, pool_in, pool.table, packed, runner._no_prev)
-            tokens.block_until_ready()
+            out, runner.penalty_state, pool.array = fn(layout, engine.params, pool_in, pool.table, packed,
+                                                       runner._no_prev, runner.penalty_state)
+            out.tokens.block_until_ready()
             after = device.memory_stats() or {}
             row |= {"donated": pool_in.is_deleted(), "bytes_in_use_before": before.get("bytes_in_use", 0),
                     "bytes_in_use_after": after.get("bytes_in_use", 0), "peak_bytes_in_use": after.get(
