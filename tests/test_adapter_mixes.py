@@ -8,6 +8,7 @@ import math
 import re
 
 import httpx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import openai
@@ -311,6 +312,7 @@ def test_old_unused_mixes_are_pruned_but_never_a_queued_or_recent_one(engine):
         engine.mixes.max_mixes, engine.mixes.grace_s = saved
 
 
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="tensor parallelism needs 2 devices (CPU: forced host devices)")
 def test_mixes_are_refused_under_tensor_parallelism(tiny_dir, adapter_dirs):
     """A sharded pool's host rows are each device's share, not the whole model's rows a mix is built from: 400-able
     ValueError at once rather than a load failure later."""
