@@ -31,7 +31,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# Ray gives its workers the driver script's directory if it is on sys.path: here that would let benchmarks/kernels.py
+# shadow the 'kernels' package transformers probes for. The repository root goes there instead.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
@@ -102,6 +104,7 @@ def measure_mode(handle, adapters: list[str], routing: str, rng: np.random.Gener
         cold, requests = delta(before, after, "cold_loads"), delta(before, after, "requests")
         out.append({"routing": routing, "first_request": start, "statuses": sorted(set(statuses)),
                     "cold_loads": sum(cold.values()), "cold_loads_per_replica": cold,
+                    "pool_loads": sum(delta(before, after, "pool_loads").values()),
                     "requests_per_replica": requests,
                     "max_request_share": max(requests.values()) / max(sum(requests.values()), 1),
                     "distinct_adapters": len(set(part))})
@@ -127,18 +130,23 @@ def latency(url: str, model: str, n: int, rng: np.random.Generator, max_tokens: 
     return out
 
 
-def relay_cpu_seconds() -> float:
+def relay_cpu_seconds() -> dict[str, float]:
     """CPU seconds so far of the processes a request crosses before a replica: Ray's HTTP proxy and the ingress."""
     import psutil
 
-    total = 0.0
+    total = {"proxy": 0.0, "ingress": 0.0}
     for proc in psutil.process_iter(["cmdline"]):
         title = " ".join(proc.info["cmdline"] or [])
-        if "ProxyActor" in title or f"{APP_NAME}:SloraIngress" in title:
+        kind = "proxy" if "ProxyActor" in title else "ingress" if f"{APP_NAME}:SloraIngress" in title else None
+        if kind:
             with contextlib.suppress(psutil.Error):
                 cpu = proc.cpu_times()
-                total += cpu.user + cpu.system
+                total[kind] += cpu.user + cpu.system
     return total
+
+
+def _minus(a: dict, b: dict) -> dict:
+    return {k: a[k] - b[k] for k in a}
 
 
 def overhead(single_url: str, ray_url: str, n: int, rng: np.random.Generator) -> dict:
@@ -147,14 +155,20 @@ def overhead(single_url: str, ray_url: str, n: int, rng: np.random.Generator) ->
     out = {}
     for name, max_tokens, stream in (("one_token", 1, False), ("stream_32", 32, True)):
         direct = latency(single_url, "ad-000", n, rng, max_tokens, stream)
-        cpu0 = relay_cpu_seconds()
+        cpu0, t0 = relay_cpu_seconds(), time.monotonic()
         relayed = latency(ray_url, "ad-000", n, rng, max_tokens, stream)
-        cpu = relay_cpu_seconds() - cpu0
+        cpu, busy_s = _minus(relay_cpu_seconds(), cpu0), time.monotonic() - t0
+        idle0 = relay_cpu_seconds()  # what the proxy and the ingress spend with no requests (health checks, polls)
+        time.sleep(busy_s)
+        idle = _minus(relay_cpu_seconds(), idle0)
+        per_request = {k: (cpu[k] - idle[k]) / n for k in cpu}
         out[name] = {"single_median_s": statistics.median(direct), "ray_median_s": statistics.median(relayed),
                      "added_median_s": statistics.median(relayed) - statistics.median(direct),
-                     "relay_cpu_s_per_request": cpu / n}
-    out["relay_cpu_s_per_streamed_token"] = ((out["stream_32"]["relay_cpu_s_per_request"]
-                                              - out["one_token"]["relay_cpu_s_per_request"]) / 31)
+                     "relay_cpu_s_per_request": sum(per_request.values()), "cpu_s_per_request": per_request,
+                     "relay_idle_cpu_s": idle, "seconds": busy_s}
+    one, streamed = out["one_token"]["cpu_s_per_request"], out["stream_32"]["cpu_s_per_request"]
+    out["cpu_s_per_streamed_token"] = {k: (streamed[k] - one[k]) / 31 for k in one}
+    out["relay_cpu_s_per_streamed_token"] = sum(out["cpu_s_per_streamed_token"].values())
     return out
 
 
@@ -192,21 +206,23 @@ def main() -> None:
     p.add_argument("--counted", type=int, default=200)
     p.add_argument("--overhead-requests", type=int, default=200)
     p.add_argument("--port", type=int, default=8471)
+    p.add_argument("--modes", default="random,multiplex,affinity,multiplex,affinity",  # "" for the overhead alone
+                   help="routing modes in order, each over 50 adapters of its own")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     rng = np.random.default_rng(0)
-    modes = ("random", "multiplex", "affinity")
+    modes = [m for m in args.modes.split(",") if m]
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.monotonic()
-        single, ray_url = setup(Path(tmp), args.replicas, 50 * len(modes), args.port)
+        single, ray_url = setup(Path(tmp), args.replicas, max(50 * len(modes), 1), args.port)
         print(f"ready in {time.monotonic() - t0:.0f} s", flush=True)
         handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=APP_NAME)
-        result = {"replicas": args.replicas, "warm": args.warm, "counted": args.counted, "modes": {}}
+        result = {"replicas": args.replicas, "warm": args.warm, "counted": args.counted, "runs": []}
         for k, mode in enumerate(modes):
             adapters = [f"ad-{i:03d}" for i in range(50 * k, 50 * (k + 1))]
             cold, steady = measure_mode(handle, adapters, mode, rng, (args.warm, args.counted))
-            result["modes"][mode] = {"cold_start": cold, "steady": steady}
-            print(mode, json.dumps(result["modes"][mode]), flush=True)
+            result["runs"].append({"routing": mode, "cold_start": cold, "steady": steady})
+            print(json.dumps(result["runs"][-1]), flush=True)
         result["overhead"] = overhead(single.url, ray_url, args.overhead_requests, rng)
         print(json.dumps(result["overhead"]), flush=True)
         serve.shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import deque
 from collections.abc import AsyncIterator
 
 # ASGI 2.3: Starlette's StreamingResponse then listens for http.disconnect while it streams (2.4 relies on send errors)
@@ -44,13 +45,19 @@ def _scope(req: RelayedRequest) -> dict:
 
 async def relay(app, req: RelayedRequest, abandoned: set[asyncio.Task] | None = None
                 ) -> AsyncIterator[ResponseStart | bytes]:
-    """Yield the app's :class:`ResponseStart`, then each non-empty body chunk, until the response is complete.
+    """Yield the app's :class:`ResponseStart`, then its body chunks until the response is complete (chunks the app
+    sent while the previous one was being relayed come joined: fewer, larger messages when the relay falls behind).
 
     A request whose consumer left before its end is told the client disconnected and kept (in ``abandoned`` if
     given) while it finishes on its own; it has :data:`DISCONNECT_GRACE_S` for that, then it is cancelled."""
-    messages: asyncio.Queue[dict | None] = asyncio.Queue()
+    pending: deque[dict | None] = deque()  # the app's messages not yet relayed; None: the app returned
+    arrived = asyncio.Event()
     disconnected = asyncio.Event()
     body_sent = False
+
+    def push(message: dict | None) -> None:
+        pending.append(message)
+        arrived.set()
 
     async def receive() -> dict:
         nonlocal body_sent
@@ -61,14 +68,17 @@ async def relay(app, req: RelayedRequest, abandoned: set[asyncio.Task] | None = 
         return {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
-        messages.put_nowait(message)
+        push(message)
 
     task = asyncio.ensure_future(app(_scope(req), receive, send))
-    task.add_done_callback(lambda _: messages.put_nowait(None))
+    task.add_done_callback(lambda _: push(None))
     complete = False
     try:
         while True:
-            message = await messages.get()
+            while not pending:
+                arrived.clear()
+                await arrived.wait()
+            message = pending.popleft()
             if message is None:  # the app returned (or raised) before finishing its response
                 if not task.cancelled() and task.exception() is not None:
                     raise task.exception()
@@ -76,9 +86,14 @@ async def relay(app, req: RelayedRequest, abandoned: set[asyncio.Task] | None = 
             if message["type"] == "http.response.start":
                 yield ResponseStart(message["status"], [tuple(h) for h in message.get("headers", [])])
             elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield bytes(message["body"])
-                if not message.get("more_body", False):
+                body, more = [message.get("body", b"")], message.get("more_body", False)
+                while more and pending and pending[0] is not None and pending[0]["type"] == "http.response.body":
+                    nxt = pending.popleft()  # chunks sent while the last one was relayed travel together
+                    body.append(nxt.get("body", b""))
+                    more = nxt.get("more_body", False)
+                if any(body):
+                    yield b"".join(body)
+                if not more:
                     complete = True
                     return
     finally:
