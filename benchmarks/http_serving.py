@@ -30,7 +30,6 @@ import json
 import multiprocessing
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from soak import ServerProcess, device_info
 from workload import make_trace
 
 SAT_RATE = 1000.0  # requests/s of a saturation trace (serving.py's)
-WARM = dict(n=4, rate=1000.0, num=16, seed=7)  # serving.py's untimed warm-up trace
+WARM_ADAPTERS = 4  # the untimed warm-up trace uses the 4 least popular adapters (serving.py's warm trace: 16 requests)
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 BENCH = Path(__file__).resolve().parent
 
@@ -216,49 +215,45 @@ def summarize(name: str, records: list[dict], slo_s: float, clients: list[dict] 
 # ---------------------------------------------------------------- model and adapters a user would bring
 
 
-def _build(final: Path, build) -> Path:
-    if not final.exists():
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-        build(tmp)
-        tmp.rename(final)
-    return final
+def _tool(*args: str) -> None:
+    """A ``python -m slora_jax.tools...`` command, as a user runs it."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(BENCH.parent), os.environ.get("PYTHONPATH")])))
+    subprocess.run([sys.executable, "-m", *args], check=True, env=env, cwd=BENCH.parent)
 
 
-def prepare_preset(preset: str, work: Path, n_adapters: int, distinct: int, rank: int) -> tuple[Path, Path]:
-    """A random model dir (bf16 safetensors shards, tokenizer) and ``n_adapters`` PEFT dirs (rank ``rank``, q,k,v,o)
-    under ``work``, reused when present. Only ``distinct`` weight files are written; the other dirs hold their own
-    config and a hard link to one of them (2000 distinct 7B rank-8 files would be 67 GB): the server still reads,
-    checks, converts and loads every adapter by its own name."""
-    import ml_dtypes
+def ensure_tokenizer(model: Path) -> bool:
+    """Give a synthetic model dir a tokenizer (aiperf sends text); False if it had one."""
+    from slora_jax.tools.tokenizer import has_tokenizer
 
-    from slora_jax.model.config import ModelConfig
-    from slora_jax.tools import synth
-    from slora_jax.tools.tokenizer import write_tokenizer
+    if has_tokenizer(model):
+        return False
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    _tool("slora_jax.tools.tokenizer", "--out", str(model), "--vocab-size", str(vocab))
+    return True
 
+
+def prepare_preset(preset: str, work: Path, n_adapters: int, distinct: int, rank: int) -> tuple[Path, Path, dict]:
+    """A random model dir (bf16 safetensors shards and a tokenizer) and ``n_adapters`` PEFT dirs (rank ``rank``,
+    q,k,v,o) under ``work``, written by the synth tool and reused when present: only ``distinct`` weight files are
+    written, the other dirs hard-link them (2000 distinct 7B rank-8 files would be 34 GB), and the server still reads,
+    checks, converts and loads every adapter by its own name. Returns the dirs and the seconds each write took."""
     work.mkdir(parents=True, exist_ok=True)
-
-    def build_model(out: Path) -> None:
-        t = time.monotonic()
-        synth.write_model(out, preset, seed=0, dtype=np.dtype(ml_dtypes.bfloat16), shard_bytes=5 << 30)
-        write_tokenizer(out, ModelConfig.from_model_dir(out).vocab_size)
-        print(f"wrote {preset} to {out} in {time.monotonic() - t:.0f} s", flush=True)
-
-    model = _build(work / f"model-{preset}", build_model)
-    cfg = ModelConfig.from_model_dir(model)
-
-    def build_adapters(out: Path) -> None:
-        for i in range(n_adapters):
-            dst = out / f"adapter-{i:04d}"
-            if i < distinct:
-                synth.write_adapter(dst, cfg, rank=rank, targets=ATTN, seed=1000 + i)
-            else:
-                src = out / f"adapter-{i % distinct:04d}"
-                dst.mkdir()
-                shutil.copyfile(src / "adapter_config.json", dst / "adapter_config.json")
-                os.link(src / "adapter_model.safetensors", dst / "adapter_model.safetensors")
-
-    adapters = _build(work / f"adapters-{preset}-r{rank}-n{n_adapters}-k{distinct}", build_adapters)
-    return model, adapters
+    model, adapters = work / f"model-{preset}", work / f"adapters-{preset}-r{rank}-n{n_adapters}-k{distinct}"
+    times = {}
+    for path, key, args in (
+            (model, "write_model_s", ("model", "--preset", preset, "--dtype", "bfloat16")),
+            (adapters, "write_adapters_s", ("adapters", "--model", str(model), "-n", str(n_adapters), "--ranks",
+                                            str(rank), "--distinct", str(distinct), "--dtype", "bfloat16"))):
+        if not path.exists():
+            t = time.monotonic()
+            tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=work))  # renamed when whole
+            _tool("slora_jax.tools.synth", *args, "--out", str(tmp))
+            if key == "write_model_s":
+                ensure_tokenizer(tmp)
+            tmp.rename(path)
+            times[key] = time.monotonic() - t
+            print(f"{key} {times[key]:.0f} s: {path}", flush=True)
+    return model, adapters, times
 
 
 # ---------------------------------------------------------------- the in-process engine (a child process)
@@ -290,9 +285,7 @@ def in_process_child(spec_path: str, out_path: str) -> None:
 
     names, vocab = spec["adapters"], spec["vocab"]
     budget_end = time.monotonic() + spec["budget_s"]
-    warm = make_trace(WARM["n"], WARM["rate"], WARM["num"], in_range=tuple(spec["in_range"]),
-                      out_range=tuple(spec["out_range"]), seed=WARM["seed"])
-    run_trace(engine, "warm", warm, names[-WARM["n"]:], vocab, budget_end)
+    run_trace(engine, "warm", make_spec_trace(spec["warm"]), names[-WARM_ADAPTERS:], vocab, budget_end)
     results = []
     for s in spec["traces"]:
         res, _ = run_trace(engine, s["name"], make_spec_trace(s), names[:s["n"]], vocab, budget_end, spec["slo_s"])
@@ -310,9 +303,8 @@ def in_process_child(spec_path: str, out_path: str) -> None:
 def run_in_process(server_args: list[str], specs: list[dict], names: list[str], vocab: int, args,
                    budget_s: float, work: Path) -> dict:
     spec_path, out_path = work / "in_process_spec.json", work / "in_process.json"
-    spec_path.write_text(json.dumps({"server_args": server_args, "traces": specs, "adapters": names, "vocab": vocab,
-                                     "slo_s": args.slo_s, "budget_s": budget_s, "in_range": args.in_range,
-                                     "out_range": args.out_range}))
+    spec_path.write_text(json.dumps({"server_args": server_args, "traces": specs, "warm": warm_spec(args),
+                                     "adapters": names, "vocab": vocab, "slo_s": args.slo_s, "budget_s": budget_s}))
     log = work / "in_process.log"
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, __file__, "--in-process-child", str(spec_path), str(out_path)],
@@ -334,7 +326,8 @@ def scrape_metrics(url: str, api_key: str | None) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
         m = re.match(r"^(\w+)(\{[^}]*\})?\s+(\S+)$", line)
-        if m and re.match(r"slora_(requests|compiles|pool_pages|adapter_store|engine_step_failures)", m.group(1)):
+        if m and re.match(r"slora_(requests|compiles|pool_pages|adapter_store|engine_step_failures)", m.group(1)) \
+                and not m.group(1).endswith("_created"):
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
 
@@ -393,6 +386,9 @@ def parse_args(argv=None):
     ap.add_argument("--reserve-s", type=float, default=150.0,
                     help="seconds of --budget-s kept for the in-process run: HTTP and aiperf runs start before it")
     ap.add_argument("--tiny", action="store_true", help="CPU-sized defaults (short lengths, few requests)")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="write the model and adapters and start the server once (fills the compilation cache), "
+                    "then stop: the first of two device calls when one cannot hold a cold start and the runs")
     ap.add_argument("--in-process-child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args, server_args = ap.parse_known_args(argv)
     server_args = [a for a in server_args if a != "--"]
@@ -413,12 +409,92 @@ def parse_args(argv=None):
     return args, server_args, srv
 
 
+def warm_spec(args) -> dict:
+    """The untimed trace run first on either path: half a saturation trace on 4 adapters, so the first timed trace
+    finds every batch and prefill bucket executed once (on CPU a first full-size trace ran at a third of the speed
+    of the next one even after serving.py's 16-request warm-up) but its own adapters not yet loaded."""
+    return trace_spec("warm", WARM_ADAPTERS, SAT_RATE, max(16, args.requests // 2), 7, args.in_range, args.out_range)
+
+
 def resolve_rate(token: str, sat: float | None) -> float | None:
     if token == "sat":
         return SAT_RATE
     if token.startswith("x"):
         return float(token[1:]) * sat if sat else None
     return float(token)
+
+
+def spec_for(token: str, sat: float | None, n: int, args) -> dict | None:
+    """serving.py's trace for ``token``: saturation (seed 0, ``--requests``) or a set rate (seed 99, ``--duration``)."""
+    rate = resolve_rate(token, sat)
+    if rate is None:
+        return None
+    if token == "sat":
+        return trace_spec(f"S1-n{n}-sat", n, rate, args.requests, 0, args.in_range, args.out_range)
+    return trace_spec(f"S1-n{n}-R{rate:.2f}", n, rate, max(int(rate * args.duration), 20), 99, args.in_range,
+                      args.out_range)
+
+
+def resolve_inputs(args, srv, server_args: list[str], info: dict, report: dict) -> tuple[Path, list[Path]]:
+    """The model dir (for the vocabulary and aiperf's tokenizer) and adapter dirs: ``--preset`` writes them, else
+    ``--model`` / ``--adapter-dir``, else the embedded demo's."""
+    model_dir, adapter_dirs = srv.model, list(srv.adapter_dir)
+    if args.preset:
+        t = time.monotonic()
+        model_dir, adapters, report["prepare"] = prepare_preset(args.preset, args.work_dir, args.n_adapters or 2000,
+                                                                args.distinct_adapters, args.adapter_rank)
+        adapter_dirs.append(adapters)
+        server_args += ["--model", str(model_dir), "--adapter-dir", str(adapters)]
+        report["prepare_s"] = time.monotonic() - t
+    elif model_dir is None and args.url is None:
+        from slora_jax.serve.demo import ensure_demo
+
+        model_dir, demo_adapters = ensure_demo("float32" if info.get("platform") == "cpu" else "bfloat16")
+        adapter_dirs.append(demo_adapters)
+    if model_dir is None:
+        raise SystemExit("--url needs --model DIR (its config.json gives the vocabulary of the token-id prompts)")
+    if args.aiperf and args.aiperf_mode == "synthetic" and not args.url:
+        report["tokenizer_written"] = ensure_tokenizer(Path(model_dir))  # aiperf sends text
+    return Path(model_dir), adapter_dirs
+
+
+def http_phase(args, pool, url: str, api_key, names: list[str], vocab: int, http_end: float) -> tuple[list, dict]:
+    """Our client: the warm-up trace (untimed), then ``--rates`` in order."""
+    warm = trace_requests(make_spec_trace(warm_spec(args)), names[-WARM_ADAPTERS:], vocab)
+    run_http_trace(pool, args.client_procs, url, api_key, warm,
+                   args.request_timeout_s)
+    results, specs, sat = [], {}, None
+    for token in [x for x in args.rates.split(",") if x]:
+        spec = spec_for(token, sat, len(names), args)
+        if spec is None or time.monotonic() > http_end:
+            print(f"skip {token}: {'no saturation measured' if spec is None else 'budget'}", flush=True)
+            continue
+        specs[token] = spec
+        t = time.monotonic()
+        records, clients = run_http_trace(pool, args.client_procs, url, api_key,
+                                          trace_requests(make_spec_trace(spec), names, vocab), args.request_timeout_s)
+        res = summarize(spec["name"], records, args.slo_s, clients)
+        results.append(res | {"rate": spec["rate"], "spec": spec, "as": token, "wall_s": time.monotonic() - t})
+        sat = res["throughput_req_s"] if token == "sat" else sat
+        print_row("http", res)
+    return results, specs
+
+
+def aiperf_phase(args, url: str, api_key, names, vocab, model_dir: Path, specs: dict, sat, http_end) -> list:
+    results = []
+    for token in [x for x in args.aiperf_rates.split(",") if x]:
+        spec = specs.get(token) or spec_for(token, sat, len(names), args)
+        if spec is None or time.monotonic() > http_end:
+            print(f"skip aiperf {token}: {'no saturation measured' if spec is None else 'budget'}", flush=True)
+            continue
+        res = run_aiperf(url, trace_requests(make_spec_trace(spec), names, vocab), spec, mode=args.aiperf_mode,
+                         tokenizer=str(model_dir), artifact_dir=args.work_dir / f"aiperf-{token}",
+                         python=args.aiperf_python, api_key=api_key, timeout_s=max(120.0, http_end - time.monotonic()))
+        results.append(res | {"as": token})
+        print(f"aiperf {token}: " + json.dumps({k: res.get(k) for k in ("throughput_req_s", "throughput_tok_s",
+                                                                        "mean_first_token_s", "errors", "error")}),
+              flush=True)
+    return results
 
 
 def main(argv=None) -> int:
@@ -428,101 +504,53 @@ def main(argv=None) -> int:
         return 0
     t_start = time.monotonic()
     budget_end = t_start + args.budget_s
-    in_tokens = [x for x in args.in_process_rates.split(",") if x] if not args.url else []
+    in_tokens = [x for x in args.in_process_rates.split(",") if x] if not (args.url or args.prepare_only) else []
     http_end = budget_end - (args.reserve_s if in_tokens else 0.0)  # HTTP phases leave the in-process run its time
-    work = args.work_dir
-    work.mkdir(parents=True, exist_ok=True)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
     info = device_info()  # a child process: this one never imports jax (the server and the engine need the device)
     report = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "device": info.get("device"),
               "platform": info.get("platform"), "jax_version": info.get("jax"), "git_commit": git_commit(),
-              "python": sys.version.split()[0], "argv": sys.argv[1:], "server_args": server_args,
-              "client_procs": args.client_procs, "slo_s": args.slo_s, "in_range": args.in_range,
-              "out_range": args.out_range}
-    print(f"device {report['device']}  jax {report['jax_version']}  commit {report['git_commit'][:12]}", flush=True)
-    model_dir, adapter_dirs = srv.model, list(srv.adapter_dir)
-    if args.preset:
-        t = time.monotonic()
-        model_dir, adapters = prepare_preset(args.preset, work, args.n_adapters or 2000, args.distinct_adapters,
-                                             args.adapter_rank)
-        adapter_dirs.append(adapters)
-        server_args += ["--model", str(model_dir), "--adapter-dir", str(adapters)]
-        report["prepare_s"] = time.monotonic() - t
-    elif model_dir is None and args.url is None:  # the embedded demo: its dir for the vocabulary
-        from slora_jax.serve.demo import ensure_demo
+              "python": sys.version.split()[0], "argv": sys.argv[1:], "client_procs": args.client_procs,
+              "slo_s": args.slo_s, "in_range": args.in_range, "out_range": args.out_range}
 
-        model_dir, demo_adapters = ensure_demo("float32" if info.get("platform") == "cpu" else "bfloat16")
-        adapter_dirs.append(demo_adapters)
-    if model_dir is None:
-        raise SystemExit("--url needs --model DIR (its config.json gives the vocabulary of the token-id prompts)")
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    def save() -> None:  # after every phase: a device call cut short still leaves what was measured
+        report["wall_s"] = time.monotonic() - t_start
+        report["comparison"] = compare(report)
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+
+    print(f"device {report['device']}  jax {report['jax_version']}  commit {report['git_commit'][:12]}", flush=True)
+    model_dir, adapter_dirs = resolve_inputs(args, srv, server_args, info, report)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     if srv.port is None:
         server_args += ["--port", "0"]
-    ctx = multiprocessing.get_context("spawn")
-    pool = ctx.Pool(args.client_procs, initializer=_client_init)
-    proc = None
-    http_results, aiperf_results = [], []
+    report.update(server_args=server_args, model_dir=str(model_dir), adapter_dirs=[str(d) for d in adapter_dirs])
+    pool = multiprocessing.get_context("spawn").Pool(args.client_procs, initializer=_client_init)
+    proc, specs = None, {}
     try:
         if args.url:
             url = args.url.rstrip("/")
         else:
             t = time.monotonic()
-            log_path = work / "server.log"
-            allowed = adapter_dirs[0] if adapter_dirs else work
-            proc = ServerProcess(server_args, allowed, log_path, args.startup_timeout_s)
+            proc = ServerProcess(server_args, adapter_dirs[0] if adapter_dirs else args.work_dir,
+                                 args.work_dir / "server.log", args.startup_timeout_s)
             url = proc.url
             report["server_startup_s"] = time.monotonic() - t
             report["server_phases"] = startup_phases(proc.log_text())
         base, names, max_len = served_models(url, srv.api_key)
         names = names[:args.n_adapters] if args.n_adapters else names
-        report.update(base_model=base, n_adapters=len(names), max_model_len=max_len, vocab=vocab,
-                      adapter_dirs=[str(d) for d in adapter_dirs], model_dir=str(model_dir))
+        report.update(base_model=base, n_adapters=len(names), max_model_len=max_len, vocab=vocab)
         print(f"server {url}: base {base!r}, {len(names)} adapters in the trace, ready after "
               f"{report.get('server_startup_s', 0):.0f} s {report.get('server_phases', {})}", flush=True)
-        warm = make_trace(WARM["n"], WARM["rate"], WARM["num"], in_range=tuple(args.in_range),
-                          out_range=tuple(args.out_range), seed=WARM["seed"])
-        run_http_trace(pool, args.client_procs, url, srv.api_key, trace_requests(warm, names[-WARM["n"]:], vocab),
-                       args.request_timeout_s)
-        sat = None
-        specs = {}
-        for token in [x for x in args.rates.split(",") if x]:
-            rate = resolve_rate(token, sat)
-            if rate is None or time.monotonic() > http_end:
-                print(f"skip {token}: {'no saturation measured' if rate is None else 'budget'}", flush=True)
-                continue
-            if token == "sat":
-                spec = trace_spec(f"S1-n{len(names)}-sat", len(names), rate, args.requests, 0, args.in_range,
-                                  args.out_range)
-            else:
-                spec = trace_spec(f"S1-n{len(names)}-R{rate:.2f}", len(names), rate,
-                                  max(int(rate * args.duration), 20), 99, args.in_range, args.out_range)
-            specs[token] = spec
-            reqs = trace_requests(make_spec_trace(spec), names, vocab)
-            records, clients = run_http_trace(pool, args.client_procs, url, srv.api_key, reqs,
-                                              args.request_timeout_s)
-            res = summarize(spec["name"], records, args.slo_s, clients) | {"rate": rate, "spec": spec, "as": token}
-            http_results.append(res)
-            if token == "sat":
-                sat = res["throughput_req_s"]
-            print_row("http", res)
-        if args.aiperf:
-            for token in [x for x in args.aiperf_rates.split(",") if x]:
-                if time.monotonic() > http_end:
-                    print(f"skip aiperf {token}: budget", flush=True)
-                    continue
-                spec = specs.get(token) or (trace_spec(f"S1-n{len(names)}-sat", len(names), SAT_RATE, args.requests,
-                                                       0, args.in_range, args.out_range) if token == "sat" else None)
-                if spec is None:
-                    rate = resolve_rate(token, sat)
-                    spec = trace_spec(f"S1-n{len(names)}-R{rate:.2f}", len(names), rate,
-                                      max(int(rate * args.duration), 20), 99, args.in_range, args.out_range)
-                reqs = trace_requests(make_spec_trace(spec), names, vocab)
-                res = run_aiperf(url, reqs, spec, mode=args.aiperf_mode, tokenizer=str(model_dir),
-                                 artifact_dir=work / f"aiperf-{token}", python=args.aiperf_python,
-                                 api_key=srv.api_key, timeout_s=max(60.0, budget_end - time.monotonic() + 120))
-                res["as"] = token
-                aiperf_results.append(res)
-                print(f"aiperf {token}: " + json.dumps({k: res.get(k) for k in ("throughput_req_s",
-                      "throughput_tok_s", "mean_first_token_s", "errors", "error")}), flush=True)
+        save()
+        if not args.prepare_only:
+            report["http"], specs = http_phase(args, pool, url, srv.api_key, names, vocab, http_end)
+            save()
+            if args.aiperf:
+                sat = next((r["throughput_req_s"] for r in report["http"] if r["as"] == "sat"), None)
+                report["aiperf"] = aiperf_phase(args, url, srv.api_key, names, vocab, model_dir, specs, sat,
+                                                http_end)
+                save()
         if proc is not None:
             report["server_metrics"] = scrape_metrics(url, srv.api_key)
             report["server_log_problems"] = proc.log_problems()[:20]
@@ -530,8 +558,6 @@ def main(argv=None) -> int:
         pool.close()
         if proc is not None:
             proc.close()
-    report["http"] = http_results
-    report["aiperf"] = aiperf_results
     if in_tokens:
         in_args = list(server_args)
         if srv.pool_gb is None and srv.num_pages is None and "pool_pages" in report.get("server_phases", {}):
@@ -540,16 +566,15 @@ def main(argv=None) -> int:
         left = budget_end - time.monotonic()
         if in_specs and left > 30:
             print(f"in-process engine on {[s['name'] for s in in_specs]} ...", flush=True)
-            report["in_process"] = run_in_process(in_args, in_specs, names, vocab, args, left, work)
+            t = time.monotonic()
+            report["in_process"] = run_in_process(in_args, in_specs, names, vocab, args, left, args.work_dir)
+            report["in_process"]["wall_s"] = time.monotonic() - t
             for res in report["in_process"].get("results", []):
                 print_row("in-process", res)
         else:
             report["in_process"] = {"skipped": "budget" if in_specs else "no matching HTTP trace"}
-    report["comparison"] = compare(report)
-    report["wall_s"] = time.monotonic() - t_start
+    save()
     print(json.dumps(report["comparison"], indent=1), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     return 0
 
 
