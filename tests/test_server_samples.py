@@ -2,7 +2,8 @@
 
 Choices are indexed 0..n-1 (streamed chunks carry their index); greedy choices equal the offline greedy answer;
 seeded choices are reproducible, differ from each other, and choice 0 is what ``n=1`` with the same seed answers;
-stop strings end one choice alone; usage counts the prompt once; bad ``n`` is a 400; nothing is left in the pool.
+stop strings end one choice alone; usage counts the prompt once; ``best_of`` answers the samples of highest
+cumulative logprob; bad ``n`` / ``best_of`` are 400s; nothing is left in the pool.
 """
 
 from __future__ import annotations
@@ -132,7 +133,9 @@ def test_a_stop_string_ends_its_choice_alone(client, srv):
     ({"n": -2}, "n must be"),
     ({"n": MAX_SAMPLES + 1}, "n must be"),
     ({"n": 8, "max_tokens": 200}, "n=8 samples"),  # 8 x 13 pages do not fit the 96-page pool together
-    ({"n": 2, "best_of": 3}, "best_of"),
+    ({"n": 3, "best_of": 2}, "best_of must be"),
+    ({"best_of": MAX_SAMPLES + 1}, "best_of must be"),
+    ({"n": 1, "best_of": 2, "stream": True}, "cannot be streamed"),
 ])
 def test_bad_n_is_a_400(srv, body, fragment):
     for path, extra in (("/completions", {"prompt": PROMPT}), ("/chat/completions",
@@ -143,6 +146,24 @@ def test_bad_n_is_a_400(srv, body, fragment):
         assert r.status_code == 400, r.text
         assert fragment in r.json()["error"]["message"]
         assert r.json()["error"]["param"] in ("n", "best_of")
+    _assert_idle_and_freed(srv)
+
+
+def test_best_of_answers_the_most_likely_samples(client, srv):
+    kw = dict(model=srv.adapters[1], prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=31,
+              extra_body={"ignore_eos": True})
+    every = client.completions.create(n=5, logprobs=0, **kw)  # the same seed: the same 5 samples
+    scores = [sum(c.logprobs.token_logprobs) for c in every.choices]
+    order = sorted(range(5), key=lambda i: scores[i], reverse=True)[:2]
+    best = client.completions.create(n=2, best_of=5, logprobs=0, **kw)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == [every.choices[i].text for i in order]
+    assert [c.logprobs.token_logprobs for c in best.choices] == [every.choices[i].logprobs.token_logprobs
+                                                                  for i in order]
+    assert best.usage.completion_tokens == 5 * MAX_TOKENS  # every sample generated counts
+    plain = client.completions.create(n=2, best_of=5, **kw)  # logprobs on only to rank: not in the answer
+    assert [c.text for c in plain.choices] == [c.text for c in best.choices]
+    assert all(c.logprobs is None for c in plain.choices)
     _assert_idle_and_freed(srv)
 
 

@@ -21,6 +21,7 @@ class Choice:
         self.error: str | None = None
         self.error_kind: str | None = None
         self.last_token_time: float | None = None
+        self.cumulative_logprob = 0.0  # of its generated tokens, when the engine sends their logprobs (best_of)
 
     @property
     def token_ids(self) -> list[int]:
@@ -38,6 +39,7 @@ class Choice:
         """Take one engine output; returns (the text that may be sent now, whether a stop string ended the choice
         here: the engine does not watch stop strings, so the caller must abort its engine request)."""
         self.ended |= out.finished
+        self.cumulative_logprob += sum(lp.logprob for lp in out.logprobs or ())
         self.detok.add(out.new_token_ids, final=out.finished)
         reason = out.finish_reason if out.finished else None
         stopped = self.detok.stopped and reason != "stop"

@@ -72,7 +72,7 @@ class Generation:
                         for i, sid in enumerate(sample_ids(rid, prepared.n))]
         self._by_request = {c.request_id: c for c in self.choices}
         sp = prepared.sampling
-        asked = sp.logprobs is not None or sp.prompt_logprobs is not None
+        asked = (sp.logprobs is not None and not prepared.rank_logprobs_only) or sp.prompt_logprobs is not None
         texts = token_texts or TokenTexts(tokenizer)
         # per choice index, when logprobs were asked for; and the choices whose echoed prompt is still to stream
         self.logprobs = {c.index: ChoiceLogprobs(prepared.kind, texts, prepared.prompt_ids)
@@ -160,14 +160,17 @@ class Generation:
             self._abort_if_open()
         if not self._ok():
             raise self._failure()
-        return envelope(self.req.kind, self.rid, self.req.model, [self._choice(c) for c in self.choices],
+        kept = self.choices
+        if self.req.best_of_keep is not None:  # best_of: the samples whose generated tokens are most likely
+            kept = sorted(kept, key=lambda c: c.cumulative_logprob, reverse=True)[:self.req.best_of_keep]
+        return envelope(self.req.kind, self.rid, self.req.model, [self._choice(c, i) for i, c in enumerate(kept)],
                         chunk=False, created=self.created, usage=self._usage())
 
-    def _choice(self, c: Choice) -> dict:
+    def _choice(self, c: Choice, index: int) -> dict:
         with_ids = self.req.return_token_ids
         make_choice = completion_choice if self.req.kind == "completion" else chat_choice
         choice = make_choice((self.req.echo_text or "") + c.text, c.finish_reason, c.token_ids if with_ids else None)
-        choice["index"] = c.index
+        choice["index"] = index
         if self.logprobs:
             choice["logprobs"] = self.logprobs[c.index].whole()
         if with_ids:

@@ -116,6 +116,11 @@ class _Request(BaseModel):
         """(top alternatives per generated token, per prompt token); None where not asked."""
         return None, None
 
+    def best_of_count(self) -> int | None:
+        """best_of > n (completions): samples to generate, of which the n with the highest cumulative logprob of
+        their generated tokens are answered; else None."""
+        return None
+
     @property
     def samples(self) -> int:
         """How many choices the answer has (``n``)."""
@@ -170,14 +175,22 @@ class CompletionRequest(_Request):
             raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
-        if self.best_of not in (None, self.samples):
-            raise APIError(400, f"best_of={self.best_of} is not supported (only best_of equal to n)", "best_of")
+        if self.best_of is not None and not self.samples <= self.best_of <= MAX_SAMPLES:
+            raise APIError(400, f"best_of must be an integer in [n, {MAX_SAMPLES}] (n={self.samples}), got "
+                           f"{self.best_of}", "best_of")
+        if self.stream and self.best_of_count():
+            raise APIError(400, "best_of > n cannot be streamed: the best samples are known only at the end",
+                           "best_of")
 
     def allows_zero_tokens(self) -> bool:
         return self.echo and self.max_tokens == 0  # just the prompt (and its logprobs): scoring
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
-        return self.logprobs, self.logprobs if self.echo else None
+        ranked = 0 if self.best_of_count() else None  # best_of ranks by the generated tokens' logprobs
+        return (self.logprobs if self.logprobs is not None else ranked), self.logprobs if self.echo else None
+
+    def best_of_count(self) -> int | None:
+        return self.best_of if self.best_of is not None and self.best_of > self.samples else None
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (a batch of prompts is refused: n=1, one choice per response)."""

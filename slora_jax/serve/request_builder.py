@@ -52,7 +52,9 @@ class PreparedRequest:
     include_usage: bool
     tenant: str | None = None  # from the tenant header; None: the engine counts the request towards its adapter
     first_token_slo_s: float | None = None  # the request's own first-token deadline; None: the server's default
-    n: int = 1  # samples (choices) to generate
+    n: int = 1  # samples to generate
+    best_of_keep: int | None = None  # best_of > n: answer with this many of them, highest cumulative logprob first
+    rank_logprobs_only: bool = False  # logprobs are on only to rank best_of samples: not answered
     echo_text: str | None = None  # completions with echo: the prompt's text, which the answer starts with
     grammar: GrammarMatcher | None = None  # what the output must match (structured output)
 
@@ -206,5 +208,7 @@ class RequestBuilder:
             raise APIError(400, str(e)) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return PreparedRequest(kind, req.model, adapter, prompt_ids, sampling, req.return_token_ids, req.stream,
-                               include_usage, tenant, req.first_token_slo_s, n=req.samples,
+                               include_usage, tenant, req.first_token_slo_s, n=req.best_of_count() or req.samples,
+                               best_of_keep=req.samples if req.best_of_count() else None,
+                               rank_logprobs_only=bool(req.best_of_count()) and req.logprobs is None,
                                grammar=self.grammars.for_request(req))
