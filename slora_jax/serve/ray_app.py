@@ -78,6 +78,9 @@ class SloraReplica:
         self.stats_timeout_s = config.metrics_timeout_s
         self.abandoned: set[asyncio.Task] = set()  # requests finishing after their caller left
         self.requests = 0  # relayed requests accepted
+        self.last_report: dict = {"device": [], "host": [], "running": 0, "waiting": 0, "cold_loads": 0,
+                                  "pool_loads": 0, "requests": 0, "pid": os.getpid(),
+                                  "replica": serve.get_replica_context().replica_id.unique_id}
 
         async def serves(name: str) -> str:  # the engine loads adapters itself: Ray only learns what we serve
             return name
@@ -104,12 +107,17 @@ class SloraReplica:
             return ([a["name"] for a in engine.adapter_states("device")],
                     [a["name"] for a in engine.adapter_states("host")], engine.stats())
 
-        device, host, stats = await self.engine_thread.call(snapshot, timeout=self.stats_timeout_s)
+        try:
+            device, host, stats = await self.engine_thread.call(snapshot, timeout=self.stats_timeout_s)
+        except Exception as e:  # a long step (a compile) or a stopped engine: the last report stands
+            log.warning("residency report unavailable (%s): sending the last one", type(e).__name__)
+            return self.last_report
         store = stats["adapters"]
-        return {"device": device, "host": host, "running": stats["running"], "waiting": stats["waiting"],
-                "cold_loads": store.get("host_loads", 0), "pool_loads": store.get("loads", 0),
-                "requests": self.requests, "pid": os.getpid(),
-                "replica": serve.get_replica_context().replica_id.unique_id}
+        self.last_report = {
+            "device": device, "host": host, "running": stats["running"], "waiting": stats["waiting"],
+            "cold_loads": store.get("host_loads", 0), "pool_loads": store.get("loads", 0), "requests": self.requests,
+            "pid": os.getpid(), "replica": serve.get_replica_context().replica_id.unique_id}
+        return self.last_report
 
     def check_health(self) -> None:
         thread = self.engine_thread
@@ -243,7 +251,10 @@ def run_ray(args: argparse.Namespace) -> None:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("shutting down: draining the replicas (grace %.0f s)", args.shutdown_grace_s)
-    serve.delete(APP_NAME)
-    if args.ray_address is None:
-        serve.shutdown()
-        ray.shutdown()
+    try:
+        serve.delete(APP_NAME)
+        if args.ray_address is None:
+            serve.shutdown()
+    finally:
+        if args.ray_address is None:
+            ray.shutdown()
