@@ -270,8 +270,9 @@ def in_process_child(spec_path: str, out_path: str) -> None:
     # run benchmarks/kernels.py
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
     from slora_jax.engine import compile_counter
-    from slora_jax.serve.cli import build_engine, build_parser
+    from slora_jax.serve.cli import GPU_MEMORY_FRACTION, build_engine, build_parser
 
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)  # as cli.main does for the server
     t = time.monotonic()
     engine, _, _ = build_engine(build_parser().parse_args(spec["server_args"]))
     startup_s = time.monotonic() - t
@@ -345,6 +346,15 @@ def startup_phases(log_text: str) -> dict:
         if m:
             out[key] = float(m.group(1))
     return out
+
+
+def kill_own_servers() -> None:
+    """End the server this process started when its start failed (ServerProcess raised before handing it back)."""
+    import psutil
+
+    for child in psutil.Process().children():
+        if "slora_jax.serve" in " ".join(child.cmdline()):
+            child.kill()
 
 
 def served_models(url: str, api_key: str | None) -> tuple[str, list[str], int]:
@@ -532,8 +542,15 @@ def main(argv=None) -> int:
             url = args.url.rstrip("/")
         else:
             t = time.monotonic()
-            proc = ServerProcess(server_args, adapter_dirs[0] if adapter_dirs else args.work_dir,
-                                 args.work_dir / "server.log", args.startup_timeout_s)
+            try:
+                proc = ServerProcess(server_args, adapter_dirs[0] if adapter_dirs else args.work_dir,
+                                     args.work_dir / "server.log", args.startup_timeout_s)
+            except RuntimeError as e:  # exited or not ready in time: keep what the log says
+                kill_own_servers()
+                report["server_error"] = str(e)[-3000:]
+                report["server_phases"] = startup_phases((args.work_dir / "server.log").read_text(errors="replace"))
+                save()
+                raise SystemExit(f"server did not start: {str(e)[:300]}") from None
             url = proc.url
             report["server_startup_s"] = time.monotonic() - t
             report["server_phases"] = startup_phases(proc.log_text())
