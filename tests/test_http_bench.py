@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import transformers  # noqa: E402, F401 - first, while benchmarks/ is off sys.path: it probes for a package named
 
-# 'kernels', which benchmarks/kernels.py would shadow (and run)
+# transformers first, while benchmarks/ is off sys.path: it probes for a package named 'kernels', which
+# benchmarks/kernels.py would shadow (and run)
+import transformers  # noqa: F401
 
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 sys.path.insert(0, BENCHMARKS)
