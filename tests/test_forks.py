@@ -202,6 +202,29 @@ def test_samples_are_queued_all_or_none(engine):
     _assert_all_freed(eng)
 
 
+def test_prompt_only_samples_each_get_the_prompt_logprobs(engine):
+    """max_tokens 0 with prompt logprobs (echo scoring) and n > 1: no token, each sample its prompt's logprobs."""
+    eng = engine
+    rng = np.random.default_rng()
+    prompt = _prompt(rng, eng, 3 * P + 1)
+    ids = add_samples(eng, 3, prompt, "r4-qkvo", SamplingParams(max_tokens=0, prompt_logprobs=2))
+    got: dict[str, list] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert out.error is None and out.new_token_ids == []
+            if out.prompt_logprobs is not None:
+                got[out.request_id] = out.prompt_logprobs
+    assert sorted(got) == sorted(ids)
+    first = got[ids[0]]
+    assert len(first) == len(prompt) and first[0] is None
+    for rid in ids[1:]:
+        assert got[rid][0] is None
+        np.testing.assert_allclose([lp.logprob for lp in got[rid][1:]], [lp.logprob for lp in first[1:]], atol=1e-5)
+    for rid in ids:
+        eng.release(rid)
+    _assert_all_freed(eng)
+
+
 def test_aborting_samples_midway_frees_everything(engine):
     eng = engine
     rng = np.random.default_rng()

@@ -67,14 +67,14 @@ def group_max_tokens(n_prompt: int, max_tokens: int | None, n: int, room_pages: 
     shared = (n_prompt - 1) // page_size
     each = (room_pages + (n - 1) * shared) // n  # pages per sample when all n fit
     most = min(each * page_size, max_model_len) - n_prompt
-    if max_tokens is None:
-        max_tokens = most
-    if max_tokens < 1 or (max_tokens <= max_model_len - n_prompt and
-                          group_pages(n_prompt, max_tokens, n, page_size) > room_pages):
-        raise RequestRejected(f"n={n} samples of prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) need more KV "
+    resolved = most if max_tokens is None else max_tokens
+    # (a max_tokens beyond the context is add_request's to refuse, with the context as the reason)
+    if (max_tokens is None and most < 1) or (resolved <= max_model_len - n_prompt and
+                                              group_pages(n_prompt, resolved, n, page_size) > room_pages):
+        raise RequestRejected(f"n={n} samples of prompt ({n_prompt} tokens) + max_tokens ({resolved}) need more KV "
                               f"cache than this server's pool holds next to the adapter (at most {max(most, 0)} "
                               f"tokens each); lower n or max_tokens", "n")
-    return max_tokens
+    return resolved
 
 
 def add_samples(engine, n: int, prompt_ids: list[int], adapter: str | None = None,
