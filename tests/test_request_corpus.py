@@ -87,7 +87,7 @@ COMMON_BAD = {
     "stop_token_ids": ["x", 5, [-1], [VOCAB], [2**31], [2**63], [10**30], [1.5], [None],
                        list(range(MAX_STOP_TOKEN_IDS + 1))],
     "ignore_eos": ["maybe", [], {}, 2],
-    "n": [0, 2, -1, 2**63, "x", 1.5],
+    "n": [0, 17, -1, 2**63, "x", 1.5, [2]],
     "stream": ["maybe", 2, [], {}],
     "stream_options": ["x", 5, {"include_usage": "maybe"}],
     "presence_penalty": [2.5, -2.01, 1e30, "x", NAN],
@@ -115,7 +115,7 @@ COMPLETION_BAD = {
     "logprobs": [21, "x", -1, 1.5, 2**63],
     "echo": ["x", [], 2],
     "suffix": ["x", 5],
-    "best_of": [2, 0, "x"],
+    "best_of": [0, 17, -1, "x", 1.5, 2**63],  # below n (1), above 16
 }
 CHAT_BAD = {
     "messages": [None, "x", [], [5], [{}], [{"role": 5, "content": "x"}], [{"content": "x"}],
