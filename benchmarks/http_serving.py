@@ -45,7 +45,6 @@ from workload import make_trace
 
 SAT_RATE = 1000.0  # requests/s of a saturation trace (serving.py's)
 WARM_ADAPTERS = 4  # the untimed warm-up trace uses the 4 least popular adapters (serving.py's warm trace: 16 requests)
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 BENCH = Path(__file__).resolve().parent
 
 
@@ -127,8 +126,12 @@ async def replay(url: str, api_key: str | None, reqs: list[tuple[int, HttpReques
     """Send ``reqs`` at ``t0`` + their arrival (``time.monotonic`` clock, shared by processes) and stream them."""
     import openai
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # the pool must never queue us
-    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=60.0))
+    try:  # the HTTP library this openai release is built on (httpx2 from openai 3.x), else httpx
+        import httpx2 as hx
+    except ImportError:
+        hx = httpx
+    limits = hx.Limits(max_connections=None, max_keepalive_connections=None)  # the pool must never queue us
+    http = hx.AsyncClient(limits=limits, timeout=hx.Timeout(timeout_s, connect=60.0))
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "unused", http_client=http, max_retries=0)
     lags, running = [], True
 
