@@ -379,7 +379,7 @@ def parse_args(argv=None):
     ap.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "slora-http-bench")
     ap.add_argument("--n-adapters", type=int, default=None, help="adapters in the trace (default: all served; "
                     "with --preset: 2000)")
-    ap.add_argument("--distinct-adapters", type=int, default=32, help="--preset: distinct adapter weight files")
+    ap.add_argument("--distinct-adapters", type=int, default=20, help="--preset: distinct adapter weight files")
     ap.add_argument("--adapter-rank", type=int, default=8, help="--preset: rank of the adapters (S1: 8)")
     ap.add_argument("--rates", default="sat,x0.7", help="traces: sat, a rate in req/s, or xF = F times saturation")
     ap.add_argument("--requests", type=int, default=None, help="requests of a saturation trace (800; --tiny 48)")
@@ -396,7 +396,7 @@ def parse_args(argv=None):
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
     ap.add_argument("--startup-timeout-s", type=float, default=1200.0)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no trace after this many seconds")
-    ap.add_argument("--reserve-s", type=float, default=150.0,
+    ap.add_argument("--reserve-s", type=float, default=200.0,
                     help="seconds of --budget-s kept for the in-process run: HTTP and aiperf runs start before it")
     ap.add_argument("--tiny", action="store_true", help="CPU-sized defaults (short lengths, few requests)")
     ap.add_argument("--prepare-only", action="store_true",
