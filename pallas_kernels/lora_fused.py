@@ -217,7 +217,7 @@ def _shrink(x_ref, pool_ref, pages_ref, row: _Row, a_off, r_b, lo, hi, span, g: 
 
 
 def _expand_tiles(pool_ref, pages_ref, base_ref, row: _Row, b_off, n_out, col0, first, r_b, g: _Geom):
-    """(vectors per tile, steps, tile(e) -> loads of step e, apply(loads, u) -> stores) for the program's block."""
+    """(vectors per tile, tile(e) -> loads of step e, apply(loads, u, out_ref) -> stores) for the program's block."""
     n_c = _pow2_tile(g.tile_elems, r_b, g.vdim, g.vecs)
     k = jnp.arange(r_b, dtype=jnp.int32)
     kmask = k < row.rank
@@ -238,14 +238,14 @@ def _expand_tiles(pool_ref, pages_ref, base_ref, row: _Row, b_off, n_out, col0, 
         new = old.astype(_F32) + jnp.sum(b.astype(_F32) * u[:, None, None], axis=0)
         store(out_ref.at[row.t, cols, lane[None, :]], new.astype(out_ref.dtype), mask=cmask[:, None])
 
-    return -(-g.vecs // n_c), tile, apply
+    return n_c, tile, apply
 
 
 def _expand(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, g, u_fn):
     """``out = base + u @ B`` over the program's block; ``u_fn()`` gives the scaled [r_b] intermediate. A block of
     one tile has its B and base loads issued before ``u_fn`` runs, so they arrive while the shrink streams A."""
-    n_steps, tile, apply = _expand_tiles(pool_ref, pages_ref, base_ref, row, b_off, n_out, col0, first, r_b, g)
-    if n_steps == 1:
+    n_c, tile, apply = _expand_tiles(pool_ref, pages_ref, base_ref, row, b_off, n_out, col0, first, r_b, g)
+    if min(g.vecs, max(g.out_vecs)) <= n_c:
         loads = tile(0)
         apply(loads, u_fn(), out_ref)
         return
@@ -255,7 +255,7 @@ def _expand(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, fir
         apply(tile(e), u, out_ref)
         return carry
 
-    lax.fori_loop(0, n_steps, step, _I0)
+    lax.fori_loop(0, lax.div(jnp.minimum(first + g.vecs, n_out) - first + (n_c - 1), n_c), step, _I0)
 
 
 def _block(j, g: _Geom):
