@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import error_response
 
@@ -87,7 +87,7 @@ def http_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
     Past it the client gets a bare 408 and the connection is closed. The deadline also bounds how long an unread
     body is drained after an early answer (413)."""
 
-    class HeaderDeadlineProtocol(AutoHTTPProtocol):
+    class HeaderDeadlineProtocol(H11Protocol):  # h11 always: httptools (from ray[serve]) reads headers otherwise
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._header_timer = None
