@@ -146,6 +146,9 @@ def main() -> None:
                          "every request asking for that many (e.g. off,5: the cost of logprobs)")
     ap.add_argument("--xla-flag", action="append", default=[],
                     help="extra XLA flag for this run, e.g. --xla-flag=--xla_gpu_enable_dynamic_slice_fusion=true")
+    ap.add_argument("--compilation-cache", default=None,
+                    help="JAX's persistent compilation cache in this dir (the server's default; warm-up may then "
+                         "compile its buckets in parallel)")
     args = ap.parse_args()
     if args.xla_flag:  # before JAX creates its backend
         os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *args.xla_flag]).strip()
@@ -179,6 +182,9 @@ def main() -> None:
     ecfg = dataclasses.replace(ecfg, layer_loop=args.layer_loop)
     params = random_params(cfg, dtype)
     weight_bytes = param_bytes(params) - params["embed"].nbytes  # read every decode step (the embedding is gathered)
+    if args.compilation_cache:
+        from slora_jax.engine import compile_counter
+        compile_counter.enable_persistent_cache(args.compilation_cache)
     engine = Engine(cfg, params, ecfg)
     del params  # the engine holds what it needs (an unrolled loop keeps per-layer copies)
     t = time.monotonic()
