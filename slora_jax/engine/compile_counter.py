@@ -1,8 +1,10 @@
 """Counts XLA backend compiles in this process, so steady-state serving can prove it compiles nothing; and turns on
-JAX's persistent compilation cache, so a restart loads its compiled steps from disk instead of compiling them."""
+JAX's persistent compilation cache, so a restart loads its compiled steps from disk instead of compiling them; and
+says how many threads may compile warm-up steps at once."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -58,3 +60,37 @@ def enable_persistent_cache(path: str | Path) -> Path:
 def compile_count() -> int:
     """Backend compiles seen since :func:`install` (process-wide: any jitted function counts)."""
     return _count
+
+
+MAX_COMPILE_WORKERS = 8
+COMPILE_HOST_BYTES = 2 << 30  # host memory one step compile may take (a guess on the safe side for a 7B step)
+
+
+def compile_workers() -> int:
+    """Threads for compiling warm-up steps ahead: $SLORA_JAX_COMPILE_WORKERS if set; else 1 (one compile at a time)
+    while the persistent cache is off, otherwise one per core, at most 8 and one per 2 GiB of available memory."""
+    env = os.environ.get("SLORA_JAX_COMPILE_WORKERS")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"SLORA_JAX_COMPILE_WORKERS must be a positive integer, got {env!r}")
+        return int(env)
+    if not persistent_cache_enabled():
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_COMPILE_WORKERS, cores, available_memory() // COMPILE_HOST_BYTES))
+
+
+def persistent_cache_enabled() -> bool:
+    return bool(jax.config.jax_compilation_cache_dir)
+
+
+def available_memory() -> int:
+    """Host memory available to new allocations (MemAvailable), or a large number where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 50

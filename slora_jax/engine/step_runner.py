@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +26,12 @@ from pallas_kernels.prefill_attention import max_prefill_tiles, prefill_tile_map
 from ..model.config import ATTN_MODULES, MODULES, ModelConfig
 from ..model.paged import PagedSpec, StepBatch, paged_forward
 from ..model.sharding import TensorParallel, step_parts
-from . import penalties
+from . import compile_counter, penalties
 from .config import EngineConfig
 from .logprobs import packed_logprobs
 from .sampling import MAX_LOGIT_BIAS, SamplingArrays, SamplingParams, sample, sampling_arrays
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -118,6 +123,7 @@ class StepRunner:
         # one penalty row per request that can be running at once (engine: PenaltyRows)
         self.penalty_state = penalties.PenaltyState.zeros(ecfg.max_batch_size, cfg.vocab_size, device=device)
         self.last_output: StepOutput | None = None  # of the last step dispatched (its logprobs, on the device)
+        self.warmup_stats: dict | None = None  # what the last warm-up compiled, ahead and in its runs
 
     # ---------------------------------------------------------------- batch building (numpy)
     def _base_arrays(self, n_rows: int, n_seqs: int) -> dict[str, np.ndarray]:
@@ -219,8 +225,11 @@ class StepRunner:
     def prefill(self, params, pool, table, items: list[StepItem]) -> tuple[jax.Array, jax.Array]:
         """Dispatch a prefill step; returns (next token ids [out_rows], pool) without waiting (``last_output`` holds
         its logprobs). Raises :class:`StepInputError` (before dispatch) for items whose inputs cannot be built."""
-        packed, layout = self._host_inputs(self.build_prefill, items)
-        kind = "prefill_echo" if any(it.prompt_logprobs for it in items) else "prefill"
+        echo = any(it.prompt_logprobs for it in items)  # echo: one compiled bucket, the largest (warmup_jobs)
+        build = functools.partial(self.build_prefill, n_rows=self.ecfg.prefill_buckets[-1]) if echo else \
+            self.build_prefill
+        packed, layout = self._host_inputs(build, items)
+        kind = "prefill_echo" if echo else "prefill"
         return self._run(self.step_fn(kind), layout, params, pool, table, packed, self._no_prev)
 
     def _run(self, fn, layout, params, pool, table, packed, prev_tokens) -> tuple[jax.Array, jax.Array]:
@@ -238,17 +247,52 @@ class StepRunner:
         return self._run(self.step_fn("decode", lora), layout, params, pool, table, packed,
                          self._no_prev if prev_tokens is None else prev_tokens)
 
-    def warmup(self, params, pool, table, progress: bool = True) -> jax.Array:
-        """Compile every bucket with an all-padding batch (writes nothing: every KV slot is -1)."""
+    def warmup_jobs(self) -> list[tuple[str, int, str | None]]:
+        """(kind, bucket, LoRA variant) of every step serving can run. Echo prefills always run in the largest
+        prefill bucket (:meth:`prefill`), so their variant compiles once, not once per bucket."""
         ecfg = self.ecfg
-        jobs = [(kind, n, None) for n in ecfg.prefill_buckets for kind in ("prefill", "prefill_echo")]
+        jobs = [("prefill", n, None) for n in ecfg.prefill_buckets]
+        jobs.append(("prefill_echo", ecfg.prefill_buckets[-1], None))
         jobs += [("decode", n, variant) for n in ecfg.decode_buckets for variant in self._decode]
-        for kind, n, variant in tqdm(jobs, desc="compiling step buckets", disable=not progress):
+        return jobs
+
+    def warmup(self, params, pool, table, progress: bool = True, workers: int | None = None) -> jax.Array:
+        """Compile every bucket, then run each once with an all-padding batch (writes nothing: every KV slot is -1).
+        ``workers`` > 1 (default :func:`compile_counter.compile_workers`: 1 unless the persistent compilation cache
+        is on) compiles them all ahead on that many threads (XLA compiles without the GIL) before the runs."""
+        jobs = []
+        for kind, n, variant in self.warmup_jobs():
             build = self.build_decode([], n=n) if kind == "decode" else self.build_prefill([], n_rows=n)
-            packed, layout = pack_inputs(*build)
-            tokens, pool = self._run(self.step_fn(kind, variant), layout, params, pool, table, packed, self._no_prev)
+            jobs.append((self.step_fn(kind, variant), *pack_inputs(*build)))
+        workers = compile_counter.compile_workers() if workers is None else workers
+        before = compile_counter.compile_count(), compile_counter.cache_hits()
+        if workers > 1 and all(hasattr(fn, "lower") for fn, _, _ in jobs):
+            self._compile_ahead(jobs, params, pool, table, workers, progress)
+        ahead = compile_counter.compile_count(), compile_counter.cache_hits()
+        for fn, packed, layout in tqdm(jobs, desc="first run of step buckets", disable=not progress):
+            tokens, pool = self._run(fn, layout, params, pool, table, packed, self._no_prev)
             tokens.block_until_ready()
+        # compiles the runs still needed that the persistent cache did not serve: 0 when compiling ahead worked
+        self.warmup_stats = dict(workers=workers, steps=len(jobs), ahead_compiles=ahead[0] - before[0],
+                                 ahead_cache_hits=ahead[1] - before[1],
+                                 run_compiles=compile_counter.compile_count() - ahead[0],
+                                 run_cache_hits=compile_counter.cache_hits() - ahead[1])
         return pool
+
+    def _compile_ahead(self, jobs: list, params, pool, table, workers: int, progress: bool) -> None:
+        """Lower each step here (Python, holds the GIL) and compile it on a worker thread meanwhile; the jit call
+        of the runs then finds the executable compiled in this process (or in the persistent cache)."""
+        t = time.monotonic()
+        with (ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool_of_threads,
+              tqdm(total=len(jobs), desc=f"compiling step buckets ({workers} threads)", disable=not progress) as bar):
+            futures = []
+            for fn, packed, layout in jobs:
+                lowered = fn.lower(layout, params, pool, table, packed, self._no_prev, self.penalty_state)
+                futures.append(pool_of_threads.submit(lowered.compile))
+                futures[-1].add_done_callback(lambda _: bar.update())
+            for f in futures:
+                f.result()
+        log.info("%d step buckets compiled ahead on %d threads in %.1f s", len(jobs), workers, time.monotonic() - t)
 
 
 # Every per-step host input travels as ONE int32 buffer: on the H200 each numpy argument of a jitted call costs
