@@ -14,6 +14,7 @@ import os
 import struct
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -21,12 +22,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from store_helpers import logged_rng
 
 from slora_jax.model import params_checkpoint
 from slora_jax.model.config import ModelConfig
 from slora_jax.model.loader import load_params
 from slora_jax.model.sharding import TensorParallel
-from slora_jax.model.streaming_loader import read_header, stream_params
+from slora_jax.model.streaming_loader import read_header, stream_params, transpose_concat
 from slora_jax.tools import synth
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +71,21 @@ def test_bfloat16_checkpoint_streams_its_own_values(tmp_path):
     assert _same(from_bf16, from_f32)  # bf16(x) either way: rounding once on the host
     _, widened = stream_params(bf16, jnp.float32, tp=tp, stacked=False, progress=False)
     assert _same(jax.tree.map(lambda x: x.astype(jnp.bfloat16), widened), from_f32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_threaded_transpose_equals_numpys(dtype):
+    """Fused parts of odd heights (not multiples of a strip), and column slices (a row-parallel device block)."""
+    rng = logged_rng("transpose_concat")
+    parts = [rng.standard_normal((int(rng.integers(1, 70)), 37), np.float32).astype(dtype) for _ in range(3)]
+    wide = rng.standard_normal((29, 90), np.float32).astype(dtype)
+    with ThreadPoolExecutor(3) as threads:
+        for workers in (1, 3):
+            fused = transpose_concat(parts, threads, workers)
+            assert fused.flags.c_contiguous and fused.dtype == dtype
+            assert np.array_equal(fused, np.concatenate([p.T for p in parts], axis=1))
+            block = transpose_concat([wide[:, 45:]], threads, workers)
+            assert block.flags.c_contiguous and np.array_equal(block, wide[:, 45:].T)
 
 
 def test_reader_refuses_broken_files(tmp_path, tiny_dir):
