@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -32,28 +33,43 @@ def preset_config(name: str) -> dict:
         return json.load(f)
 
 
+PARALLEL_MIN_VALUES = 1 << 28  # models above this many weights are drawn on threads (a 7B model: minutes -> seconds)
+
+
 def random_hf_tensors(cfg: ModelConfig, seed: int, dtype=np.float32) -> dict[str, np.ndarray]:
-    """HF-named random weights scaled so activations stay O(1) and logits are peaked (no greedy ties)."""
-    rng = np.random.default_rng(seed)
-
-    def lin(d_out: int, d_in: int) -> np.ndarray:
-        return (rng.standard_normal((d_out, d_in), dtype=np.float32) / math.sqrt(d_in)).astype(dtype)
-
-    def norm(d: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(d, dtype=np.float32)).astype(dtype)
-
-    t = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab_size, cfg.hidden_size), dtype=np.float32)
-         .astype(dtype), "model.norm.weight": norm(cfg.hidden_size)}
+    """HF-named random weights scaled so activations stay O(1) and logits are peaked (no greedy ties). Small models
+    draw every tensor from one generator in order (the values tests were written against); large ones draw each
+    tensor from its own generator (seeded by ``seed`` and its index) on several threads, numpy drawing without the
+    GIL, each in float32 then cast."""
+    specs = {"model.embed_tokens.weight": ((cfg.vocab_size, cfg.hidden_size), "embed"),
+             "model.norm.weight": ((cfg.hidden_size,), "norm")}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         for m in MODULES:
             d_in, d_out = cfg.module_dims(m)
-            t[f"{module_key(i, m)}.weight"] = lin(d_out, d_in)
-        t[p + "input_layernorm.weight"] = norm(cfg.hidden_size)
-        t[p + "post_attention_layernorm.weight"] = norm(cfg.hidden_size)
+            specs[f"{module_key(i, m)}.weight"] = ((d_out, d_in), "lin")
+        specs[p + "input_layernorm.weight"] = ((cfg.hidden_size,), "norm")
+        specs[p + "post_attention_layernorm.weight"] = ((cfg.hidden_size,), "norm")
     if not cfg.tie_word_embeddings:
-        t["lm_head.weight"] = (lin(cfg.vocab_size, cfg.hidden_size) * 2.0).astype(dtype)
-    return t
+        specs["lm_head.weight"] = ((cfg.vocab_size, cfg.hidden_size), "head")
+    dtype = np.dtype(dtype)
+
+    def draw(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.ndarray:
+        x = rng.standard_normal(shape, dtype=np.float32)
+        if kind == "norm":
+            return (1.0 + 0.1 * x).astype(dtype)
+        if kind == "embed":
+            return x.astype(dtype)
+        x = (x / math.sqrt(shape[1])).astype(dtype)
+        return (x * 2.0).astype(dtype) if kind == "head" else x
+
+    if sum(math.prod(shape) for shape, _ in specs.values()) < PARALLEL_MIN_VALUES:
+        rng = np.random.default_rng(seed)
+        return {name: draw(rng, shape, kind) for name, (shape, kind) in specs.items()}
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as threads:
+        futures = {name: threads.submit(draw, np.random.default_rng([seed, k]), shape, kind)
+                   for k, (name, (shape, kind)) in enumerate(specs.items())}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def write_model(out: str | Path, preset: str | dict = "tiny", seed: int = 0, dtype=np.float32,
