@@ -37,6 +37,8 @@ PHASES = {  # log line -> what it measures
     "compiles": r"warm-up: (\d+) compiles",
     "cache_hits": r"warm-up: \d+ compiles \((\d+) from the compilation cache\)",
     "ready_logged_s": r"ready in ([\d.]+) s after start",
+    "compiled_ahead_s": r"step buckets compiled ahead on \d+ threads in ([\d.]+) s",
+    "compile_threads": r"step buckets compiled ahead on (\d+) threads",
 }
 
 
