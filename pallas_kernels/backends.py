@@ -27,7 +27,10 @@ Shapes and meanings are those of the Triton kernels (``lora_bgmv``, ``lora_fused
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
+
+import jax
 
 from pallas_kernels import kv_cache, lora_bgmv, lora_fused, lora_sgmv, paged_attention, prefill_attention
 
@@ -118,6 +121,57 @@ PALLAS_TRITON = KernelBackend(
 PALLAS_TRITON_UNFUSED = dataclasses.replace(PALLAS_TRITON, name="pallas-triton-unfused",
                                             bgmv_lora=lora_fused.bgmv_lora_unfused)
 
+# Prefill attention has a second lowering, Mosaic GPU (prefill_attention_mgpu.py, Hopper only), imported on first use
+# so this package imports where jax lacks it. 'auto' picks per shape at trace time: Mosaic where it runs (a CUDA GPU
+# of compute capability 9.x, bf16/f16 pool, head_dim 64/128, page_size >= 8, not interpret mode) and the call has at
+# least MOSAIC_PREFILL_MIN_ROWS query rows, else Triton. The "pallas" alias takes ATTENTION_PREFILL_IMPL; it stays
+# 'triton', and the row threshold provisional, until the H200 measures them (benchmarks/attention.py --prefill-only).
+PREFILL_IMPLS = ("triton", "mosaic", "auto")
+ATTENTION_PREFILL_IMPL = "triton"
+MOSAIC_PREFILL_MIN_ROWS = 2048
+
+
+@functools.cache
+def mosaic_prefill_platform() -> bool:
+    """True on a Hopper GPU where jax has the Mosaic GPU Pallas lowering."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu  # noqa: F401
+    except ImportError:
+        return False
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
+def _mosaic_prefill_attention(q, pool, layer, page_table, q_starts, context_lens, *, tile_map, block_q, page_size,
+                              num_kv_heads, sm_scale, interpret=None):
+    """The Mosaic GPU kernel in the prefill role (compiled only: ``interpret`` must be unset or False)."""
+    from pallas_kernels import prefill_attention_mgpu
+    if interpret:
+        raise ValueError("the Mosaic GPU prefill kernel has no interpret mode here; use the Triton backend on CPU")
+    return prefill_attention_mgpu.paged_prefill_attention_mosaic(
+        q, pool, layer, page_table, q_starts, context_lens, tile_map=tile_map, block_q=block_q, page_size=page_size,
+        num_kv_heads=num_kv_heads, sm_scale=sm_scale)
+
+
+def _auto_prefill_attention(q, pool, layer, page_table, q_starts, context_lens, *, tile_map, block_q, page_size,
+                            num_kv_heads, sm_scale, interpret=None):
+    """Mosaic where it runs and the call is big enough (module comment above), else Triton; decided from shapes."""
+    kw = dict(tile_map=tile_map, block_q=block_q, page_size=page_size, num_kv_heads=num_kv_heads, sm_scale=sm_scale)
+    if not interpret and q.shape[0] >= MOSAIC_PREFILL_MIN_ROWS and mosaic_prefill_platform():
+        from pallas_kernels import prefill_attention_mgpu
+        if prefill_attention_mgpu.mosaic_prefill_unsupported(q.shape, q.dtype, pool.shape, pool.dtype,
+                                                             page_size=page_size, num_kv_heads=num_kv_heads) is None:
+            return _mosaic_prefill_attention(q, pool, layer, page_table, q_starts, context_lens, **kw)
+    return prefill_attention.paged_prefill_attention(q, pool, layer, page_table, q_starts, context_lens, **kw,
+                                                     interpret=interpret)
+
+
+PALLAS_MOSAIC_PREFILL = dataclasses.replace(PALLAS_TRITON, name="pallas-mosaic-prefill",
+                                            prefill_attention=_mosaic_prefill_attention)
+PALLAS_AUTO_PREFILL = dataclasses.replace(PALLAS_TRITON, name="pallas-auto-prefill",
+                                          prefill_attention=_auto_prefill_attention)
+PREFILL_VARIANTS = dict(zip(PREFILL_IMPLS, (PALLAS_TRITON, PALLAS_MOSAIC_PREFILL, PALLAS_AUTO_PREFILL), strict=True))
+
 _REGISTRY: dict[str, KernelBackend] = {}
 
 
@@ -155,5 +209,6 @@ def default_tiles(backend: str, platform: str) -> dict[str, int]:
 
 
 register_backend(REFERENCE)
-register_backend(PALLAS_TRITON, "pallas")  # "pallas": today's Pallas kernels, whichever lowering serves best
+for _impl, _backend in PREFILL_VARIANTS.items():  # "pallas": today's Pallas kernels, whichever lowering serves best
+    register_backend(_backend, *(("pallas",) if _impl == ATTENTION_PREFILL_IMPL else ()))
 register_backend(PALLAS_TRITON_UNFUSED, "pallas-unfused")

@@ -221,7 +221,7 @@ def _consumer(w, tile, head, refs, scratch, *, dims):
     o_slot[...] = out.astype(dtype)
     plgpu.commit_smem()
     _store_rows(o_slot, o_ref, row0, head, n_rows)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.wait_smem_to_gmem(0)  # the stores finish before the block exits
 
 
 def _total_steps(row_start, row_end, pos_start, dims):
