@@ -2,6 +2,13 @@
 
     PYTHONPATH=. python benchmarks/attention.py --out results.json     # H200: about 5-7 minutes
     PYTHONPATH=. python benchmarks/attention.py --tiny                 # CPU, interpret mode, tiny shapes
+    PYTHONPATH=. python benchmarks/attention.py --prefill-only --prefill-impls triton,mosaic-noturns,mosaic
+
+``--prefill-impls`` names the prefill lowerings to compare, each checked against the reference and timed on the same
+inputs: ``triton`` (prefill_attention.py), ``mosaic`` (prefill_attention_mgpu.py, Hopper) and ``mosaic-noturns``
+(the same without the consumers' turn-taking barrier). A lowering that fails records its error in its own rows and
+the run goes on; the JSON report is rewritten after every prefill row, so a run cut short keeps what it measured.
+``--prefill-only`` skips the decode checks, the tile sweep and the decode timings.
 
 Order: device rooflines (copy GB/s with torch ``b.copy_(a)`` in a subprocess before jax starts, bf16 matmul TFLOP/s),
 correctness (bf16 kernels vs the f32 jnp references), a short sweep of kernel tile settings, then decode (batch x
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import sys
@@ -29,6 +37,7 @@ import time
 from common import device_ceilings, git_commit
 
 DECODE_CHAIN = 10  # decode calls per jit for ms_in_jit
+MOSAIC_VARIANTS = {"mosaic-noturns": dict(schedule_barrier=False), "mosaic": dict(schedule_barrier=True)}
 WARMUP_S = 0.1  # seconds of back-to-back calls before each timing
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported anywhere
@@ -110,8 +119,8 @@ def make_setup(tiny: bool) -> Setup:
                      (("32", [32]), ("2x24", [24, 24])), 1, 1 << 20, 128, 1e9, 1e9, 16, 16, 2)
     return Setup(False, False, 16, (Layout("llama2-7b", 32, 32, 128), Layout("llama3-8b", 32, 8, 128)),
                  (1, 32, 128, 256), (128, 512, 2048, 8192),
-                 (("4k", [4096]), ("16k", [16384]), ("4x4k", [4096] * 4)), 5, 2 << 30, 8192, 40e9, 60e9, None, None,
-                 DECODE_CHAIN)
+                 (("1k", [1024]), ("4k", [4096]), ("16k", [16384]), ("4x4k", [4096] * 4)), 5, 2 << 30, 8192, 40e9,
+                 60e9, None, None, DECODE_CHAIN)
 
 
 def prefill_blocks(setup: Setup) -> dict:
@@ -170,9 +179,31 @@ class Deadline:
         return self.end - time.monotonic()
 
 
-def correctness(setup: Setup, kernels) -> list[dict]:
-    """bf16 kernels against the f32 references on the same (bf16-rounded) data."""
-    decode, decode_ref, prefill, prefill_ref = kernels
+def prefill_impls(names: list[str], setup: Setup) -> dict:
+    """name -> prefill function with the kernel's signature per lowering named (a failed import raises when called)."""
+    from pallas_kernels.prefill_attention import paged_prefill_attention
+    out = {}
+    for name in names:
+        if name == "triton":
+            out[name] = functools.partial(paged_prefill_attention, **prefill_blocks(setup), interpret=setup.interpret)
+        elif name in MOSAIC_VARIANTS:
+            try:
+                from pallas_kernels.prefill_attention_mgpu import paged_prefill_attention_mosaic
+                out[name] = functools.partial(paged_prefill_attention_mosaic, **MOSAIC_VARIANTS[name])
+            except Exception as exc:  # noqa: BLE001
+                out[name] = functools.partial(_raise, exc)
+        else:
+            raise SystemExit(f"unknown prefill lowering {name!r}; known: triton, {', '.join(MOSAIC_VARIANTS)}")
+    return out
+
+
+def _raise(exc, *args, **kwargs):
+    raise exc
+
+
+def correctness(setup: Setup, kernels, impls: dict, decode_too: bool = True) -> list[dict]:
+    """bf16 kernels against the f32 references on the same (bf16-rounded) data; each prefill lowering on its own."""
+    decode, decode_ref, _, prefill_ref = kernels
     rng = np.random.default_rng(0)
     results = []
     page_size = setup.page_size
@@ -186,7 +217,7 @@ def correctness(setup: Setup, kernels) -> list[dict]:
         table = page_tables(rng, batch, pages_each, pool.shape[1])
         q = jax.random.normal(jax.random.key(2), (batch, layout.num_heads, layout.head_dim), jnp.bfloat16)
         kw = dict(page_size=page_size, num_kv_heads=layout.num_kv_heads, sm_scale=layout.head_dim**-0.5)
-        for splits in (1, None):
+        for splits in (1, None) if decode_too else ():
             got = decode(q, pool, jnp.int32(0), table, jnp.asarray(lens), num_splits=splits, **kw,
                          interpret=setup.interpret)
             want = decode_ref(q.astype(jnp.float32), pool.astype(jnp.float32), jnp.int32(0), table, jnp.asarray(lens),
@@ -203,12 +234,17 @@ def correctness(setup: Setup, kernels) -> list[dict]:
         pool = random_pool(jax.random.key(3), num_pages, layout, page_size, jnp.bfloat16)
         table = page_tables(rng, 3, pages_each, pool.shape[1])
         q = jax.random.normal(jax.random.key(4), (rows, layout.num_heads, layout.head_dim), jnp.bfloat16)
-        got = prefill(q, pool, jnp.int32(0), table, q_starts, jnp.asarray(lens), **kw, **prefill_blocks(setup),
-                      interpret=setup.interpret)
         want = prefill_ref(q.astype(jnp.float32), pool.astype(jnp.float32), jnp.int32(0), table, q_starts,
                            jnp.asarray(lens), **kw)
-        err = float(jnp.abs(got.astype(jnp.float32) - want).max())
-        results.append(dict(kernel="prefill", layout=layout.name, max_abs_err=err, ok=err < 3e-2))
+        for impl, prefill in impls.items():
+            try:
+                got = prefill(q, pool, jnp.int32(0), table, q_starts, jnp.asarray(lens), **kw)
+                diff = jnp.abs(got.astype(jnp.float32) - want)
+                err = float(jnp.where(jnp.isnan(diff), jnp.inf, diff).max())  # NaN counts as a failure
+                results.append(dict(kernel="prefill", impl=impl, layout=layout.name, max_abs_err=err, ok=err < 3e-2))
+            except Exception as exc:  # noqa: BLE001
+                results.append(dict(kernel="prefill", impl=impl, layout=layout.name, ok=False, error=repr(exc)[:400]))
+            print(f"correctness prefill/{impl}/{layout.name}: {results[-1]}", flush=True)
     return results
 
 
@@ -322,20 +358,19 @@ def bench_decode(setup: Setup, kernels, probe: dict, deadline: Deadline) -> list
     return rows
 
 
-def bench_prefill(setup: Setup, kernels, probe: dict, deadline: Deadline) -> list[dict]:
-    _, _, prefill, prefill_ref = kernels
+def bench_prefill(setup: Setup, kernels, impls: dict, probe: dict, deadline: Deadline,
+                  checkpoint=lambda rows: None) -> list[dict]:
+    """One row per (layout, size, lowering); a lowering's error stays in its row. ``checkpoint`` sees every row."""
+    prefill_ref = kernels[3]
     rng = np.random.default_rng(20)
     rows = []
     page_size = setup.page_size
     for layout in setup.layouts:
         kw = dict(page_size=page_size, num_kv_heads=layout.num_kv_heads, sm_scale=layout.head_dim**-0.5)
-        kernel = jax.jit(lambda *a, kw=kw: prefill(*a, **kw, **prefill_blocks(setup), interpret=setup.interpret))
         reference = jax.jit(lambda *a, kw=kw: prefill_ref(*a, **kw))
         for label, new_tokens in setup.prefill:
-            row = dict(layout=layout.name, tokens=label)
-            rows.append(row)
             if deadline.left() < 0:
-                row["skipped"] = "time budget"
+                rows += [dict(layout=layout.name, tokens=label, impl=impl, skipped="time budget") for impl in impls]
                 continue
             batch, total = len(new_tokens), sum(new_tokens)
             pages_each = -(-max(new_tokens) // page_size)
@@ -347,16 +382,29 @@ def bench_prefill(setup: Setup, kernels, probe: dict, deadline: Deadline) -> lis
             lens = jnp.asarray(new_tokens, jnp.int32)
             args = (q, pool, jnp.int32(0), table, q_starts, lens)
             flops = prefill_flops(layout, new_tokens)
-            t = timeit(kernel, *args, reps=setup.reps)
-            row.update(ms=t * 1e3, tflops=flops / t / 1e12)
-            if probe.get("matmul_tflops"):
-                row["frac_matmul"] = row["tflops"] / probe["matmul_tflops"]
-            ref_bytes = 3 * total * layout.num_heads * max(new_tokens) * 4
-            if ref_bytes > setup.ref_limit_bytes:
-                row["reference"] = "skipped: reference scores would not fit"
-            elif deadline.left() > 0:
-                t_ref = timeit(reference, *args, reps=setup.reps)
-                row.update(ref_ms=t_ref * 1e3, speedup=t_ref / t)
+            t_ref = None
+            for impl, prefill in impls.items():
+                row = dict(layout=layout.name, tokens=label, impl=impl)
+                rows.append(row)
+                try:
+                    t = timeit(jax.jit(lambda *a, prefill=prefill, kw=kw: prefill(*a, **kw)), *args, reps=setup.reps)
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = repr(exc)[:400]
+                    print(f"prefill {impl} {layout.name} {label}: {row['error']}", flush=True)
+                    checkpoint(rows)
+                    continue
+                row.update(ms=t * 1e3, tflops=flops / t / 1e12)
+                if probe.get("matmul_tflops"):
+                    row["frac_matmul"] = row["tflops"] / probe["matmul_tflops"]
+                ref_bytes = 3 * total * layout.num_heads * max(new_tokens) * 4
+                if ref_bytes > setup.ref_limit_bytes:
+                    row["reference"] = "skipped: reference scores would not fit"
+                elif t_ref is None and deadline.left() > 0:
+                    t_ref = timeit(reference, *args, reps=setup.reps)
+                if t_ref is not None:
+                    row.update(ref_ms=t_ref * 1e3, speedup=t_ref / t)
+                print(f"prefill {impl} {layout.name} {label}: {t * 1e3:.2f} ms {row['tflops']:.0f} TFLOP/s", flush=True)
+                checkpoint(rows)
             del pool
     return rows
 
@@ -369,8 +417,9 @@ def print_tables(report: dict) -> None:
     probe = report["probe"]
     print(f"\n== {report['device']} | jax {report['jax']} | commit {report['commit'][:10]} | "
           f"copy {fmt(probe.get('copy_gbps'), '.0f')} GB/s | matmul {fmt(probe.get('matmul_tflops'), '.0f')} TFLOP/s")
-    checks = [f"{r['kernel']}/{r['layout']}" + (f"/splits={r['splits']}" if "splits" in r else "")
-              + f" err {r['max_abs_err']:.1e} {'ok' if r['ok'] else 'FAIL'}" for r in report["correctness"]]
+    checks = [f"{r['kernel']}/{r.get('impl', '')}/{r['layout']}" + (f"/splits={r['splits']}" if "splits" in r else "")
+              + (f" err {r['max_abs_err']:.1e}" if "max_abs_err" in r else " error") + (" ok" if r["ok"] else " FAIL")
+              for r in report["correctness"]]
     print("correctness: " + ", ".join(checks))
     print(f"prefill tiles (block_q, block_k, warps, stages): {report.get('prefill_tiles')}; decode chain "
           f"{report.get('decode_chain')} calls per jit for the in-jit columns")
@@ -385,12 +434,13 @@ def print_tables(report: dict) -> None:
               f"{r['ms_in_jit']:>8.3f} {r['gbps_in_jit']:>7.0f} "
               f"{fmt(100 * r['frac_copy_bw_in_jit'] if 'frac_copy_bw_in_jit' in r else None, '.0f'):>6} "
               f"{fmt(r.get('ref_ms'), '.3f'):>8} {fmt(r.get('speedup'), '.1f'):>6}")
-    print(f"{'prefill layout':<14} {'tokens':>6} {'ms':>8} {'TFLOP/s':>8} {'%mm':>5} {'ref ms':>8} {'x ref':>6}")
+    print(f"{'prefill layout':<14} {'tokens':>6} {'lowering':>14} {'ms':>8} {'TFLOP/s':>8} {'%mm':>5} {'ref ms':>8} "
+          f"{'x ref':>6}")
     for r in report["prefill"]:
-        if "skipped" in r:
-            print(f"{r['layout']:<14} {r['tokens']:>6}  skipped: {r['skipped']}")
+        if "skipped" in r or "error" in r:
+            print(f"{r['layout']:<14} {r['tokens']:>6} {r.get('impl', ''):>14}  {r.get('skipped') or r['error'][:90]}")
             continue
-        print(f"{r['layout']:<14} {r['tokens']:>6} {r['ms']:>8.2f} {r['tflops']:>8.1f} "
+        print(f"{r['layout']:<14} {r['tokens']:>6} {r.get('impl', ''):>14} {r['ms']:>8.2f} {r['tflops']:>8.1f} "
               f"{fmt(100 * r['frac_matmul'] if 'frac_matmul' in r else None, '.0f'):>5} "
               f"{fmt(r.get('ref_ms'), '.1f'):>8} {fmt(r.get('speedup'), '.1f'):>6}")
     for kind in ("decode", "prefill"):
@@ -407,6 +457,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="interpret mode, tiny shapes (CPU smoke run)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile-setting sweep")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new measurements after this")
+    parser.add_argument("--prefill-impls", default="triton",
+                        help="comma-separated prefill lowerings to check and time: triton, mosaic, mosaic-noturns")
+    parser.add_argument("--prefill-only", action="store_true", help="skip decode checks, the sweep and decode timings")
     args = parser.parse_args()
     started = time.monotonic()
     deadline = Deadline(args.budget_s)
@@ -428,23 +481,30 @@ def main() -> None:
             probe["torch_error"] = torch_error
     kernels = (paged_decode_attention, paged_decode_attention_reference, paged_prefill_attention,
                paged_prefill_attention_reference)
+    impls = prefill_impls([name for name in args.prefill_impls.split(",") if name], setup)
     report = dict(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         device=str(jax.devices()[0].device_kind), backend=jax.default_backend(), jax=jax.__version__,
         commit=git_commit(), tiny=setup.tiny, interpret=setup.interpret, page_size=setup.page_size, probe=probe,
         layouts=[dataclasses.asdict(x) for x in setup.layouts],
         prefill_tiles=list(default_prefill_tiles(**prefill_blocks(setup))), decode_chain=setup.decode_chain,
+        prefill_impls=list(impls), prefill_only=args.prefill_only,
         timing=("median of reps; decode 'ms' = one jitted call incl. host dispatch, 'ms_in_jit' = chained calls in one "
                 f"jit / chain; {WARMUP_S} s warm-up before each timing"),
     )
-    report["correctness"] = correctness(setup, kernels)
-    report["sweep"] = {} if args.no_sweep else sweep(setup, kernels, Deadline(min(90.0, deadline.left())))
-    report["decode"] = bench_decode(setup, kernels, probe, deadline)
-    report["prefill"] = bench_prefill(setup, kernels, probe, deadline)
-    report["elapsed_s"] = time.monotonic() - started
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+
+    def save(**parts):
+        report.update(parts, elapsed_s=time.monotonic() - started)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+
+    save(correctness=correctness(setup, kernels, impls, decode_too=not args.prefill_only), sweep={}, decode=[],
+         prefill=[])
+    if not args.prefill_only:
+        save(sweep={} if args.no_sweep else sweep(setup, kernels, Deadline(min(90.0, deadline.left()))))
+        save(decode=bench_decode(setup, kernels, probe, deadline))
+    save(prefill=bench_prefill(setup, kernels, impls, probe, deadline, checkpoint=lambda rows: save(prefill=rows)))
     print_tables(report)
     print(f"elapsed {report['elapsed_s']:.0f} s" + (f", report in {args.out}" if args.out else ""))
     if not all(r["ok"] for r in report["correctness"]):
