@@ -8,7 +8,8 @@
 inputs: ``triton`` (prefill_attention.py), ``mosaic`` (prefill_attention_mgpu.py, Hopper) and ``mosaic-noturns``
 (the same without the consumers' turn-taking barrier). A lowering that fails records its error in its own rows and
 the run goes on; the JSON report is rewritten after every prefill row, so a run cut short keeps what it measured.
-``--prefill-only`` skips the decode checks, the tile sweep and the decode timings.
+``--prefill-only`` skips the decode checks, the tile sweep and the decode timings; ``--prefill-sizes 16k,4k`` times
+only those sizes, in that order.
 
 Order: device rooflines (copy GB/s with torch ``b.copy_(a)`` in a subprocess before jax starts, bf16 matmul TFLOP/s),
 correctness (bf16 kernels vs the f32 jnp references), a short sweep of kernel tile settings, then decode (batch x
@@ -460,10 +461,15 @@ def main() -> None:
     parser.add_argument("--prefill-impls", default="triton",
                         help="comma-separated prefill lowerings to check and time: triton, mosaic, mosaic-noturns")
     parser.add_argument("--prefill-only", action="store_true", help="skip decode checks, the sweep and decode timings")
+    parser.add_argument("--prefill-sizes", default=None,
+                        help="prefill size labels to time, in this order (default all: 1k,4k,16k,4x4k)")
     args = parser.parse_args()
     started = time.monotonic()
     deadline = Deadline(args.budget_s)
     setup = make_setup(args.tiny)
+    if args.prefill_sizes:
+        sizes = dict(setup.prefill)
+        setup.prefill = tuple((label, sizes[label]) for label in args.prefill_sizes.split(",") if label in sizes)
 
     probe = {} if args.tiny else device_ceilings(setup.copy_bytes, setup.matmul_n)
     import_jax()
