@@ -67,8 +67,8 @@ def mosaic_prefill_unsupported(q_shape, q_dtype, pool_shape, pool_dtype, *, page
         return f"n_heads {num_heads} is not a multiple of n_kv {num_kv_heads}"
     if block_k % 64 or block_k > 256:
         return f"block_k {block_k} must be a multiple of 64, at most 256"
-    if page_size < 8 or page_size & (page_size - 1) or (page_size > block_k and page_size % block_k):
-        return f"page_size {page_size} must be a power of two >= 8"
+    if page_size < 8 or page_size & (page_size - 1) or (block_k % page_size and page_size % block_k):
+        return f"page_size {page_size} must be a power of two >= 8 that divides block_k {block_k} or is divided by it"
     if pool_shape[2] != 2 * num_kv_heads * page_size or pool_shape[3] != head_dim:
         return f"pool shape {tuple(pool_shape)} is not [L, NP, 2*n_kv*P, head_dim]"
     smem = _fixed_smem(128, head_dim, itemsize) + 2 * num_stages * block_k * head_dim * itemsize
