@@ -26,7 +26,7 @@ from pallas_kernels.prefill_attention import max_prefill_tiles, prefill_tile_map
 from ..model.config import ATTN_MODULES, MODULES, ModelConfig
 from ..model.paged import PagedSpec, StepBatch, paged_forward
 from ..model.sharding import TensorParallel, step_parts
-from . import compile_counter, penalties
+from . import compile_counter, executable_store, penalties
 from .config import EngineConfig
 from .logprobs import packed_logprobs
 from .sampling import MAX_LOGIT_BIAS, SamplingArrays, SamplingParams, sample, sampling_arrays
@@ -122,6 +122,14 @@ class StepRunner:
         self._no_prev = jnp.zeros(self.out_rows, jnp.int32, device=device)
         # one penalty row per request that can be running at once (engine: PenaltyRows)
         self.penalty_state = penalties.PenaltyState.zeros(ecfg.max_batch_size, cfg.vocab_size, device=device)
+        # executables loaded from the store at warm-up, by (jitted step, layout): dispatched instead of the jit call
+        self._loaded: dict[tuple[Callable, Layout], jax.stages.Compiled] = {}
+        self._devices = [device] if tp is None else list(tp.mesh.devices.flat)  # the steps' devices, in mesh order
+        # what the store keys every step of this runner by, beside the job, its layout and the argument shapes
+        self.identity = "\n".join(map(repr, (
+            cfg, executable_store.step_settings(ecfg), interpret, self.prefill_spec, self.decode_spec, self.out_rows,
+            tuple(self._decode), None if tp is None else (tp.mesh.axis_names, [d.id for d in self._devices],
+                                                           tp.fully_sharded_loras))))
         self.last_output: StepOutput | None = None  # of the last step dispatched (its logprobs, on the device)
         self.warmup_stats: dict | None = None  # what the last warm-up compiled, ahead and in its runs
 
@@ -233,7 +241,17 @@ class StepRunner:
         return self._run(self.step_fn(kind), layout, params, pool, table, packed, self._no_prev)
 
     def _run(self, fn, layout, params, pool, table, packed, prev_tokens) -> tuple[jax.Array, jax.Array]:
-        out, self.penalty_state, pool = fn(layout, params, pool, table, packed, prev_tokens, self.penalty_state)
+        args = (params, pool, table, packed, prev_tokens, self.penalty_state)
+        loaded = self._loaded.get((fn, layout)) if self._loaded else None
+        if loaded is None:
+            out, self.penalty_state, pool = fn(layout, *args)
+        else:
+            try:  # a loaded executable checks its arguments before it runs (and donates): nothing is lost yet
+                out, self.penalty_state, pool = loaded(*args)
+            except (TypeError, ValueError) as e:
+                log.warning("stored executable refused its arguments (%s); using the jitted step", e)
+                del self._loaded[(fn, layout)]
+                out, self.penalty_state, pool = fn(layout, *args)
         self.last_output = out
         return out.tokens, pool
 
@@ -259,40 +277,73 @@ class StepRunner:
     def warmup(self, params, pool, table, progress: bool = True, workers: int | None = None) -> jax.Array:
         """Compile every bucket, then run each once with an all-padding batch (writes nothing: every KV slot is -1).
         ``workers`` > 1 (default :func:`compile_counter.compile_workers`: 1 unless the persistent compilation cache
-        is on) compiles them all ahead on that many threads (XLA compiles without the GIL) before the runs."""
+        is on) compiles them all ahead on that many threads (XLA compiles without the GIL) before the runs. With the
+        executable store on (:func:`executable_store.enable`) steps stored by an earlier start are loaded instead of
+        traced and compiled, and the others are compiled ahead and stored."""
         jobs = []
         for kind, n, variant in self.warmup_jobs():
             build = self.build_decode([], n=n) if kind == "decode" else self.build_prefill([], n_rows=n)
-            jobs.append((self.step_fn(kind, variant), *pack_inputs(*build)))
+            jobs.append((self.step_fn(kind, variant), *pack_inputs(*build), (kind, n, variant)))
         workers = compile_counter.compile_workers() if workers is None else workers
+        store = executable_store.active() if all(hasattr(fn, "lower") for fn, *_ in jobs) else None
+        keys = self._store_keys(store, jobs, params, pool, table) if store is not None else [None] * len(jobs)
+        if store is not None:
+            self._load_stored(store, jobs, keys, params, pool, table, workers)
+        todo = [(job, key) for job, key in zip(jobs, keys, strict=True) if (job[0], job[2]) not in self._loaded]
         before = compile_counter.compile_count(), compile_counter.cache_hits()
-        if workers > 1 and all(hasattr(fn, "lower") for fn, _, _ in jobs):
-            self._compile_ahead(jobs, params, pool, table, workers, progress)
+        if todo and (workers > 1 or store is not None) and all(hasattr(fn, "lower") for fn, *_ in jobs):
+            self._compile_ahead(todo, params, pool, table, workers, progress, store)
         ahead = compile_counter.compile_count(), compile_counter.cache_hits()
-        for fn, packed, layout in tqdm(jobs, desc="first run of step buckets", disable=not progress):
+        for fn, packed, layout, _ in tqdm(jobs, desc="first run of step buckets", disable=not progress):
             tokens, pool = self._run(fn, layout, params, pool, table, packed, self._no_prev)
             tokens.block_until_ready()
         # compiles the runs still needed that the persistent cache did not serve: 0 when compiling ahead worked
-        self.warmup_stats = dict(workers=workers, steps=len(jobs), ahead_compiles=ahead[0] - before[0],
+        self.warmup_stats = dict(workers=workers, steps=len(jobs), loaded=len(jobs) - len(todo),
+                                 ahead_compiles=ahead[0] - before[0],
                                  ahead_cache_hits=ahead[1] - before[1],
                                  run_compiles=compile_counter.compile_count() - ahead[0],
                                  run_cache_hits=compile_counter.cache_hits() - ahead[1])
         return pool
 
-    def _compile_ahead(self, jobs: list, params, pool, table, workers: int, progress: bool) -> None:
-        """Lower each step here (Python, holds the GIL) and compile it on a worker thread meanwhile; the jit call
-        of the runs then finds the executable compiled in this process (or in the persistent cache)."""
+    def _store_keys(self, store, jobs: list, params, pool, table) -> list[str]:
+        shared = executable_store.abstract_signature((params, pool, table, self._no_prev, self.penalty_state))
+        return [store.key(self.identity, shared, repr(job), repr(layout), executable_store.abstract_signature(packed))
+                for _, packed, layout, job in jobs]
+
+    def _load_stored(self, store, jobs: list, keys: list[str], params, pool, table, workers: int) -> None:
+        """Take every step the store holds (loads on ``workers`` threads); the rest stay to be compiled."""
+        def load(job, key):
+            return store.load(key, (params, pool, table, job[1], self._no_prev, self.penalty_state), self._devices)
+
         t = time.monotonic()
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="load") as threads:
+            found = list(threads.map(load, jobs, keys))
+        for (fn, _, layout, _), compiled in zip(jobs, found, strict=True):
+            if compiled is not None:
+                self._loaded[(fn, layout)] = compiled
+        log.info("%d of %d step buckets loaded from the executable store in %.1f s", sum(c is not None for c in found),
+                 len(jobs), time.monotonic() - t)
+
+    def _compile_ahead(self, todo: list, params, pool, table, workers: int, progress: bool, store) -> None:
+        """Lower each step here (Python, holds the GIL) and compile it on a worker thread meanwhile; the jit call
+        of the runs then finds the executable compiled in this process (or in the persistent cache). With a store,
+        each compiled step is saved there for the next start."""
+        def compile_and_store(lowered, key):
+            compiled = lowered.compile()
+            if store is not None:
+                store.save(key, compiled)
+
+        t, workers = time.monotonic(), max(1, workers)
         with (ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool_of_threads,
-              tqdm(total=len(jobs), desc=f"compiling step buckets ({workers} threads)", disable=not progress) as bar):
+              tqdm(total=len(todo), desc=f"compiling step buckets ({workers} threads)", disable=not progress) as bar):
             futures = []
-            for fn, packed, layout in jobs:
+            for (fn, packed, layout, _), key in todo:
                 lowered = fn.lower(layout, params, pool, table, packed, self._no_prev, self.penalty_state)
-                futures.append(pool_of_threads.submit(lowered.compile))
+                futures.append(pool_of_threads.submit(compile_and_store, lowered, key))
                 futures[-1].add_done_callback(lambda _: bar.update())
             for f in futures:
                 f.result()
-        log.info("%d step buckets compiled ahead on %d threads in %.1f s", len(jobs), workers, time.monotonic() - t)
+        log.info("%d step buckets compiled ahead on %d threads in %.1f s", len(todo), workers, time.monotonic() - t)
 
 
 # Every per-step host input travels as ONE int32 buffer: on the H200 each numpy argument of a jitted call costs
