@@ -72,9 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-warmup", action="store_true", help="compile step buckets on first use instead of now")
     e.add_argument("--compilation-cache-dir", type=Path, default=Path(os.environ.get(
                        "SLORA_JAX_CACHE_DIR", Path.home() / ".cache" / "slora_jax")) / "xla",
-                   help="keep compiled steps here so a restart skips its compiles (default: "
+                   help="keep compiled steps here (and each step's executable under executables/) so a restart "
+                        "skips its compiles and tracing (default: "
                         "$SLORA_JAX_CACHE_DIR/xla or ~/.cache/slora_jax/xla)")
-    e.add_argument("--no-compilation-cache", action="store_true", help="compile every step at start-up")
+    e.add_argument("--no-compilation-cache", action="store_true",
+                   help="compile every step at start-up (the executable store is off too)")
     q = p.add_argument_group("scheduling (docs/SERVING.md, 'Scheduling policies')")
     q.add_argument("--scheduling-policy", choices=sorted(POLICIES), default="fcfs",
                    help="order in which waiting requests are admitted (and their adapters prefetched)")
@@ -295,7 +297,7 @@ def build_server(args: argparse.Namespace):
 def build_engine(args: argparse.Namespace):
     """Load the model and adapters and warm up: (engine, ``ServerConfig``, the server's own tokenizer). A server
     here or a Ray replica (``ray_app``) serves them."""
-    from ..engine import compile_counter
+    from ..engine import compile_counter, executable_store
     from ..engine.engine import Engine
     from ..model.config import ModelConfig
     from ..tools.tokenizer import load_tokenizer
@@ -303,7 +305,8 @@ def build_engine(args: argparse.Namespace):
     started = time.monotonic()
     if not args.no_compilation_cache:
         cache = compile_counter.enable_persistent_cache(args.compilation_cache_dir)
-        log.info("compilation cache: %s", cache)
+        store = executable_store.enable(cache / "executables")  # restarts skip tracing too, not only compiles
+        log.info("compilation cache: %s (executable store: %s)", cache, store.root if store else "off")
     on_gpu = _on_gpu()
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     backend = args.backend or ("pallas" if on_gpu else "reference")
