@@ -47,11 +47,12 @@ START = textwrap.dedent("""
                                    adapters={"a": sys.argv[2]}, progress=False)
     engine.warmup(progress=False)
     warm_traces, traces[0] = traces[0], 0
+    pointers = lambda a: [s.data.unsafe_buffer_pointer() for s in a.addressable_shards]
     old = engine.pool.array
-    pointer = old.unsafe_buffer_pointer()
+    pointer = pointers(old)
     ids = [engine.add_request(p, a, SamplingParams(**s)) for p, a, s in json.loads(sys.argv[5])]
     engine.step()  # one prefill: the pool it was given is donated and updated in place
-    donated = dict(deleted=old.is_deleted(), in_place=engine.pool.array.unsafe_buffer_pointer() == pointer)
+    donated = dict(deleted=old.is_deleted(), in_place=pointers(engine.pool.array) == pointer)
     got = {i: [] for i in ids}
     while engine.has_unfinished():
         for out in engine.step():
@@ -72,10 +73,11 @@ def _requests(vocab: int) -> str:
         (prompt(), "a", dict(max_tokens=3, temperature=0.0, prompt_logprobs=1, presence_penalty=0.5))])
 
 
-def _start(tiny_dir, adapter, cache, requests: str, edited: bool = False) -> tuple[dict, str]:
+def _start(tiny_dir, adapter, cache, requests: str, edited: bool = False, **ecfg) -> tuple[dict, str]:
     env = dict(os.environ, SLORA_JAX_COMPILE_WORKERS="2")
     env.pop(executable_store.ENV_SWITCH, None)
-    out = subprocess.run([sys.executable, "-c", START, str(tiny_dir), str(adapter), str(cache), json.dumps(ECFG),
+    out = subprocess.run([sys.executable, "-c", START, str(tiny_dir), str(adapter), str(cache),
+                          json.dumps(dict(ECFG, **ecfg)),
                           requests, "edited" if edited else "-"],
                          capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -118,6 +120,18 @@ def test_a_restart_loads_every_step_traces_none_and_serves_the_same_tokens(tiny_
     assert r["saved"] == r["dropped"] == 0
     assert r["donated"] == dict(deleted=True, in_place=True), r  # the loaded step donates the pool as jit did
     assert r["tokens"] == cold["report"]["tokens"] and all(r["tokens"])
+
+
+def test_a_tensor_parallel_restart_loads_its_steps_onto_the_mesh(tiny_dir, tiny_cfg, adapter_dirs, tmp_path):
+    """Two of the host's devices (the conftest makes 4), in mesh order: a loaded step must run on exactly those."""
+    requests = _requests(tiny_cfg.vocab_size)
+    runs = [_start(tiny_dir, adapter_dirs["r8-all7"], tmp_path / "xla", requests, tensor_parallel_size=2)[0]
+            for _ in range(2)]
+    cold, warm = runs
+    steps = cold["stats"]["steps"]
+    assert cold["saved"] == steps and warm["stats"]["loaded"] == steps and warm["warm_traces"] == 0, runs
+    assert warm["serve_traces"] == 0 and warm["compiles_after"] == 0 and warm["tokens"] == cold["tokens"], runs
+    assert warm["donated"] == dict(deleted=True, in_place=True), warm  # every device's shard updated in place
 
 
 def test_a_code_change_misses_cleanly(tiny_dir, cold, tmp_path):
