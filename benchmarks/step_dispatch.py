@@ -48,7 +48,7 @@ def main() -> None:
     model_dir = args.model_dir or synth.write_model(tmp / "model", "tiny", seed=1)
     on_gpu = jax.default_backend() == "gpu"
     ecfg = EngineConfig(max_batch_size=args.batch, max_prefill_tokens=64, max_prefill_seqs=2, max_model_len=64,
-                        page_size=16, max_lora_rank=8, max_loras=2, num_pages=None if on_gpu else 64,
+                        page_size=16, max_lora_rank=8, max_loras=2, num_pages=256,
                         dtype="bfloat16" if on_gpu else "float32", backend="pallas" if on_gpu else "reference",
                         decode_lora_variants=False)
     engine = Engine.from_model_dir(model_dir, ecfg, progress=False)
