@@ -180,7 +180,7 @@ def test_an_entry_for_other_inputs_or_of_garbage_is_dropped(tmp_path, caplog):
     loaded = store.load("key a", (pool, x), jax.devices()[:1])
     want = np.asarray(pool) + x.sum()
     got, _ = loaded(pool, x)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)  # sums in another order
     assert pool.is_deleted()  # donated through the loaded executable
     shutil.copy(store.path("key a"), store.path("key b"))  # a hash collision or a copied file
     assert store.load("key b", (got, x), jax.devices()[:1]) is None and not store.path("key b").exists()
