@@ -123,9 +123,10 @@ PALLAS_TRITON_UNFUSED = dataclasses.replace(PALLAS_TRITON, name="pallas-triton-u
 
 # Prefill attention has a second lowering, Mosaic GPU (prefill_attention_mgpu.py, Hopper only), imported on first use
 # so this package imports where jax lacks it. 'auto' picks per shape at trace time: Mosaic where it runs (a CUDA GPU
-# of compute capability 9.x, bf16/f16 pool, head_dim 64/128, page_size >= 8, not interpret mode) and the call has at
-# least MOSAIC_PREFILL_MIN_ROWS query rows, else Triton. The "pallas" alias takes ATTENTION_PREFILL_IMPL; it stays
-# 'triton', and the row threshold provisional, until the H200 measures them (benchmarks/attention.py --prefill-only).
+# of compute capability 9.x, bf16/f16 pool, head_dim 64/128, page_size >= its MIN_PAGE_SIZE, not interpret mode) and
+# the call has at least MOSAIC_PREFILL_MIN_ROWS query rows, else Triton. The "pallas" alias takes
+# ATTENTION_PREFILL_IMPL; it stays 'triton', and the row threshold provisional, until the H200 times the fixed kernel
+# (correct there since 3cb12f9).
 PREFILL_IMPLS = ("triton", "mosaic", "auto")
 ATTENTION_PREFILL_IMPL = "triton"
 MOSAIC_PREFILL_MIN_ROWS = 2048
