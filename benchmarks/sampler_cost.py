@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import git_commit  # noqa: E402
+from common import device_ceilings, git_commit  # noqa: E402
 
 
 def main() -> None:
@@ -32,9 +32,16 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--step-ms", type=float, default=13.6, help="a decode step to compare with (S1, batch 128, v4)")
-    ap.add_argument("--copy-gbs", type=float, default=4270.0)
+    ap.add_argument("--copy-gbs", type=float, default=None,
+                    help="copy bandwidth for the floors (default: measured by torch in a child, before jax starts)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    copy_source = "--copy-gbs"
+    if args.copy_gbs is None:  # measured before this process imports jax (which would claim the GPU)
+        ceilings = device_ceilings()
+        args.copy_gbs, copy_source = ceilings.get("copy_gbps"), ceilings.get("copy_source", ceilings.get("error"))
+        if not args.copy_gbs:
+            args.copy_gbs, copy_source = 4270.0, f"assumed (H200 torch copy; probe: {copy_source})"
 
     import jax
     import jax.numpy as jnp
@@ -109,7 +116,7 @@ def main() -> None:
                   f" of a {args.step_ms} ms step", flush=True)
     report = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "device": jax.devices()[0].device_kind,
               "jax_version": jax.__version__, "git_commit": git_commit(), "vocab": V, "iters": args.iters,
-              "step_ms": args.step_ms, "rows": rows_out}
+              "step_ms": args.step_ms, "copy_gbs": args.copy_gbs, "copy_source": copy_source, "rows": rows_out}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 
