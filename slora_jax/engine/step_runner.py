@@ -285,13 +285,14 @@ class StepRunner:
             build = self.build_decode([], n=n) if kind == "decode" else self.build_prefill([], n_rows=n)
             jobs.append((self.step_fn(kind, variant), *pack_inputs(*build), (kind, n, variant)))
         workers = compile_counter.compile_workers() if workers is None else workers
-        store = executable_store.active() if all(hasattr(fn, "lower") for fn, *_ in jobs) else None
+        lowerable = all(hasattr(fn, "lower") for fn, *_ in jobs)  # jitted steps (not a test's plain function)
+        store = executable_store.active() if lowerable else None
         keys = self._store_keys(store, jobs, params, pool, table) if store is not None else [None] * len(jobs)
         if store is not None:
             self._load_stored(store, jobs, keys, params, pool, table, workers)
         todo = [(job, key) for job, key in zip(jobs, keys, strict=True) if (job[0], job[2]) not in self._loaded]
         before = compile_counter.compile_count(), compile_counter.cache_hits()
-        if todo and (workers > 1 or store is not None) and all(hasattr(fn, "lower") for fn, *_ in jobs):
+        if todo and lowerable and (workers > 1 or store is not None):
             self._compile_ahead(todo, params, pool, table, workers, progress, store)
         ahead = compile_counter.compile_count(), compile_counter.cache_hits()
         for fn, packed, layout, _ in tqdm(jobs, desc="first run of step buckets", disable=not progress):
