@@ -6,7 +6,7 @@ a token mask, temperature and top-k/top-p. So a logprob never depends on how the
 token's logprob (echo) is comparable with a generated one's.
 
 Every step computes, for each sampled row, the sampled token's logprob and the :data:`MAX_LOGPROBS` most likely
-tokens (branch-free: a row that did not ask costs the same, a few vocabulary passes next to the sampler's sort), all
+tokens (branch-free: a row that did not ask costs the same, a few vocabulary passes and no sort), all
 packed in one int32 array so that one device-to-host copy brings them back. A prefill step built for prompt
 logprobs (the ``echo`` variant) does the same for every token row against the next token of the prompt.
 """
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .sampling import MAX_LOGPROBS
+from .vocab_select import top_k
 
 PACKED_WIDTH = 1 + 2 * MAX_LOGPROBS  # per row: the chosen token's logprob, top ids, top logprobs
 
@@ -34,12 +35,16 @@ class TokenLogprob:
 
 
 def packed_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """int32 [R, PACKED_WIDTH] from logits [R, V] (float32) and the token id of each row (float32 fields as bits)."""
+    """int32 [R, PACKED_WIDTH] from logits [R, V] (float32) and the token id of each row (float32 fields as bits).
+    The top ids are ``lax.top_k``'s (ties to the lower id), found without sorting the vocabulary
+    (``vocab_select.top_k``: the logits' order is the logprobs' order)."""
     logits = logits.astype(jnp.float32)
-    logp = jax.nn.log_softmax(jnp.where(jnp.isnan(logits), -jnp.inf, logits), axis=-1)
+    logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)
+    logp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logp, targets[:, None].astype(jnp.int32), axis=-1)
     k = min(MAX_LOGPROBS, logits.shape[-1])
-    top_lp, top_ids = jax.lax.top_k(logp, k)
+    _, top_ids = top_k(logits, k)
+    top_lp = jnp.take_along_axis(logp, top_ids, axis=-1)
     if k < MAX_LOGPROBS:  # a vocabulary smaller than the top list (tiny test models)
         pad = MAX_LOGPROBS - k
         top_lp = jnp.pad(top_lp, ((0, 0), (0, pad)), constant_values=-jnp.inf)

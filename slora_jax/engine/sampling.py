@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .vocab_select import keep_threshold
+
 # What one request may ask for (OpenAI caps ``stop`` at 4; we allow more). Each bounds per-token host work: every
 # stop string is searched for in each new piece of text, and the detokenizer holds back the longest one's length.
 MAX_STOP_STRINGS = 64
@@ -227,36 +229,37 @@ def allowed_tokens(token_mask: jax.Array, vocab_size: int) -> jax.Array:
 
 
 def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
-    """Token ids [B] from logits [B, V]: greedy where temperature == 0, else top-k/top-p filtered Gumbel-max, both
-    among the tokens the row's ``token_mask`` allows (a row that allows none is left unconstrained).
+    """Token ids [B] from logits [B, V]: greedy where temperature == 0, else Gumbel-max over :func:`kept_logits`
+    (so a sampled row draws from the softmax of its kept tokens, renormalized).
 
     No ``lax.cond``: on GPU a conditional copies its predicate to the host and waits for it, which would stall the
     host inside every step's dispatch until the device reached the sampler (the host/device overlap lost). Rows
     without top-k/top-p get a threshold that masks nothing, so one branch-free path serves every row.
     """
+    greedy, kept = _greedy_and_kept(logits, s)
+    vocab = logits.shape[-1]
+    keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.PRNGKey(seed), c))(s.seed, s.counter)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
+    sampled = jnp.argmax(kept + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.where(s.temperature > 0, sampled, greedy)
+
+
+def kept_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """float32 [B, V]: each row's logits over its temperature, -inf outside what it may sample: the tokens its
+    ``token_mask`` allows (all if it allows none), then the top_k largest and the smallest most-likely prefix whose
+    mass before its last token is below top_p (always the top token; ties by value kept together)."""
+    return _greedy_and_kept(logits, s)[1]
+
+
+def _greedy_and_kept(logits, s: SamplingArrays):
     logits = logits.astype(jnp.float32)
-    logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)  # a NaN would win the argmax and poison the sort
-    allowed = allowed_tokens(s.token_mask, logits.shape[-1])
+    logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)  # a NaN would win the argmax
+    vocab = logits.shape[-1]
+    allowed = allowed_tokens(s.token_mask, vocab)
     allowed = allowed | ~jnp.any(allowed, axis=-1, keepdims=True)
     logits = jnp.where(allowed, logits, -jnp.inf)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
-    masked = jnp.where(scaled >= _filter_threshold(scaled, s), scaled, -jnp.inf)
-    vocab = logits.shape[-1]
-    keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.PRNGKey(seed), c))(s.seed, s.counter)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
-    sampled = jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
-    return jnp.where(s.temperature > 0, sampled, greedy)
-
-
-def _filter_threshold(scaled, s: SamplingArrays):
-    """Per-row logit threshold [B, 1] that keeps the top-k and the smallest top-p prefix (always the top token)."""
-    vocab = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
-    cum = jnp.cumsum(probs_sorted, axis=-1)
-    keep_sorted = ((cum - probs_sorted) < s.top_p[:, None]) | (s.top_p[:, None] >= 1.0)  # p = 1: exactly all
-    p_cut = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    return jnp.maximum(kth, p_cut)
+    kept = jnp.where(scaled >= keep_threshold(scaled, k, s.top_p), scaled, -jnp.inf)  # no sort (vocab_select.py)
+    return greedy, kept
