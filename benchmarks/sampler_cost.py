@@ -1,14 +1,20 @@
-"""What the step's tail costs on the device: the sampler, penalties and logprobs over [B, V] logits.
+"""What the step's tail costs on the device: the sampler, penalties and logprobs over [B, V] logits, the current
+implementation beside the one before 2026-12-01 (which sorted the whole vocabulary).
 
-    PYTHONPATH=. python benchmarks/sampler_cost.py --out results.json       # GPU: ~1 minute
-    PYTHONPATH=. python benchmarks/sampler_cost.py --batches 4 --iters 3    # CPU smoke run
+    PYTHONPATH=. python benchmarks/sampler_cost.py --out results.json                       # GPU: about a minute
+    PYTHONPATH=. python benchmarks/sampler_cost.py --batches 1,128,256 --pivots 1,3,7 --out r.json   # + search widths
+    PYTHONPATH=. python benchmarks/sampler_cost.py --batches 4 --iters 3                       # CPU smoke run
 
 Every decode step runs, after the lm_head: penalties (``penalties.apply`` / ``count_sampled``: a gather of each
-row's state, even for rows without penalties), the sampler (``sampling.sample``: mask, a full-vocabulary sort for
-top-p, Gumbel-max) and ``logprobs.packed_logprobs`` (log-softmax, top-20), branch-free, whether or not a request
-asked. This times each part alone and together, N iterations inside one jitted loop (dispatch not timed), against
-the bytes each must read over the copy bandwidth, and as a share of a decode step (``--step-ms``, the measured
-serving step). Correctness first: the packed logprobs against numpy's log-softmax, greedy rows against argmax.
+row's state, even for rows without penalties), the sampler (``sampling.sample``: mask, the top-k/top-p threshold,
+Gumbel-max) and ``logprobs.packed_logprobs`` (log-softmax, top-20), branch-free, whether or not a request asked.
+``--impl old`` is a frozen copy of the sort-based sampler and logprobs (threshold from ``jnp.sort`` of the vocabulary,
+``lax.top_k(20)``, which is a sort on GPU); ``new`` is the code in ``slora_jax/engine`` (``vocab_select.py``);
+``new-pN`` the same with N pivots per search round (``--pivots``). This times each part alone and together, N
+iterations inside one jitted loop (dispatch not timed), against the bytes each must read over the copy bandwidth, and
+as a share of a decode step (``--step-ms``, the measured serving step). Correctness first: the packed logprobs against
+numpy's log-softmax, greedy rows against argmax, and old against new (same Gumbel noise: the same tokens unless a
+row's top-p cut lands within float rounding, and the same top-20 ids).
 """
 
 from __future__ import annotations
@@ -26,6 +32,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_ceilings, git_commit  # noqa: E402
 
 
+def old_sample(logits, s):
+    """The sampler as of 2026-11-30 (commit ed06749): the top-p threshold from a sort of the whole vocabulary."""
+    import jax
+    import jax.numpy as jnp
+
+    from slora_jax.engine.sampling import allowed_tokens
+
+    logits = logits.astype(jnp.float32)
+    logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)
+    allowed = allowed_tokens(s.token_mask, logits.shape[-1])
+    allowed = allowed | ~jnp.any(allowed, axis=-1, keepdims=True)
+    logits = jnp.where(allowed, logits, -jnp.inf)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+    vocab = logits.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
+    cum = jnp.cumsum(probs_sorted, axis=-1)
+    keep_sorted = ((cum - probs_sorted) < s.top_p[:, None]) | (s.top_p[:, None] >= 1.0)
+    p_cut = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    masked = jnp.where(scaled >= jnp.maximum(kth, p_cut), scaled, -jnp.inf)
+    keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.PRNGKey(seed), c))(s.seed, s.counter)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
+    sampled = jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.where(s.temperature > 0, sampled, greedy)
+
+
+def old_packed_logprobs(logits, targets):
+    """``packed_logprobs`` as of 2026-11-30: ``lax.top_k`` over the whole vocabulary."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = logits.astype(jnp.float32)
+    logp = jax.nn.log_softmax(jnp.where(jnp.isnan(logits), -jnp.inf, logits), axis=-1)
+    chosen = jnp.take_along_axis(logp, targets[:, None].astype(jnp.int32), axis=-1)
+    top_lp, top_ids = jax.lax.top_k(logp, 20)
+    bits = jax.lax.bitcast_convert_type
+    return jnp.concatenate([bits(chosen, jnp.int32), top_ids.astype(jnp.int32), bits(top_lp, jnp.int32)], axis=-1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,64,128,256")
@@ -34,6 +82,8 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=13.6, help="a decode step to compare with (S1, batch 128, v4)")
     ap.add_argument("--copy-gbs", type=float, default=None,
                     help="copy bandwidth for the floors (default: measured by torch in a child, before jax starts)")
+    ap.add_argument("--impl", default="old,new", help="old (sort-based, before 2026-12-01), new, or both")
+    ap.add_argument("--pivots", default="", help="also time the new sampler with these pivots per search round")
     ap.add_argument("--out")
     args = ap.parse_args()
     copy_source = "--copy-gbs"
@@ -46,9 +96,22 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from slora_jax.engine import penalties
+    from slora_jax.engine import penalties, vocab_select
     from slora_jax.engine.logprobs import PACKED_WIDTH, packed_logprobs
     from slora_jax.engine.sampling import SamplingArrays, SamplingParams, sample, sampling_arrays
+
+    def with_pivots(n):
+        def fn(lg, s):
+            default, vocab_select.PIVOTS = vocab_select.PIVOTS, n  # read when traced
+            try:
+                return sample(lg, s)
+            finally:
+                vocab_select.PIVOTS = default
+        return fn
+
+    impls = {"old": (old_sample, old_packed_logprobs), "new": (sample, packed_logprobs)}
+    impls = {name: impls[name] for name in args.impl.split(",")}
+    impls.update({f"new-p{n}": (with_pivots(int(n)), None) for n in args.pivots.split(",") if n})
 
     V = args.vocab
     rng = np.random.default_rng()
@@ -77,6 +140,11 @@ def main() -> None:
         plain = greedy & ~pen  # penalties start at zero counts, but the test keeps to the plainest rows
         assert np.array_equal(np.asarray(tok)[plain], lg.argmax(-1)[plain]), "greedy rows differ from argmax"
         assert err < 1e-4, f"chosen logprob off by {err}"
+        old_tok = np.asarray(old_sample(penalties.apply(logits, s, state), s))
+        tokens_differ = int((old_tok != np.asarray(tok)).sum())  # 0 unless a top-p cut is within float rounding
+        old_ids = np.asarray(old_packed_logprobs(logits, tok))[:, 1:1 + (PACKED_WIDTH - 1) // 2]
+        assert np.array_equal(old_ids, top_ids), "top-20 ids differ from lax.top_k's"
+        print(f"B={B:4d} check: tokens differing old vs new {tokens_differ}/{B}, top-20 ids equal", flush=True)
 
         def loop(body):
             # logits, sampler inputs and state are arguments (as constants XLA would fold the work away); each
@@ -89,14 +157,17 @@ def main() -> None:
                 return jax.lax.fori_loop(0, args.iters, it, (jnp.float32(0), lg0))[0]
             return jax.jit(run)
 
-        parts = {
-            "empty": (lambda lg, s, st: lg[:, 0], 0),
-            "sample": (lambda lg, s, st: sample(lg, s), B * V * 4 + B * V // 8),
-            "penalties+sample": (lambda lg, s, st: sample(penalties.apply(lg, s, st), s), B * V * 13),
-            "logprobs": (lambda lg, s, st: packed_logprobs(lg, lg[:, 0].astype(jnp.int32) % V), B * V * 4),
-            "all (step tail)": (lambda lg, s, st: packed_logprobs(lg, sample(penalties.apply(lg, s, st), s)),
-                                B * V * 17),
-        }
+        parts = {"empty": (lambda lg, s, st: lg[:, 0], 0)}
+        for name, (samp, lp) in impls.items():
+            parts[f"{name} sample"] = (lambda lg, s, st, f=samp: f(lg, s), B * V * 4 + B * V // 8)
+            if lp is None:
+                continue
+            if name == "new":
+                parts[f"{name} penalties+sample"] = (lambda lg, s, st, f=samp: f(penalties.apply(lg, s, st), s),
+                                                     B * V * 13)
+            parts[f"{name} logprobs"] = (lambda lg, s, st, f=lp: f(lg, lg[:, 0].astype(jnp.int32) % V), B * V * 4)
+            parts[f"{name} all (step tail)"] = (
+                lambda lg, s, st, f=samp, g=lp: g(lg, f(penalties.apply(lg, s, st), s)), B * V * 17)
         times = {}
         for name, (fn, _) in parts.items():
             f = loop(fn)
@@ -111,12 +182,14 @@ def main() -> None:
             us = max(times[name] - times["empty"], 0.0) * 1e6 if name != "empty" else times[name] * 1e6
             floor = nbytes / (args.copy_gbs * 1e9) * 1e6
             rows_out.append({"batch": B, "part": name, "us": us, "floor_us": floor, "bytes": nbytes,
-                             "pct_of_step": us / (args.step_ms * 1e3) * 100, "logprob_err": err})
-            print(f"B={B:4d} {name:18s} {us:9.1f} us  floor {floor:7.1f} us  {us / (args.step_ms * 1e3) * 100:5.2f}%"
+                             "pct_of_step": us / (args.step_ms * 1e3) * 100, "logprob_err": err,
+                             "tokens_differ_old_new": tokens_differ})
+            print(f"B={B:4d} {name:24s} {us:9.1f} us  floor {floor:7.1f} us  {us / (args.step_ms * 1e3) * 100:5.2f}%"
                   f" of a {args.step_ms} ms step", flush=True)
     report = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "device": jax.devices()[0].device_kind,
               "jax_version": jax.__version__, "git_commit": git_commit(), "vocab": V, "iters": args.iters,
-              "step_ms": args.step_ms, "copy_gbs": args.copy_gbs, "copy_source": copy_source, "rows": rows_out}
+              "step_ms": args.step_ms, "copy_gbs": args.copy_gbs, "copy_source": copy_source,
+              "pivots": vocab_select.PIVOTS, "search_rounds": vocab_select.search_rounds(), "rows": rows_out}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 

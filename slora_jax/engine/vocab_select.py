@@ -54,7 +54,7 @@ def search_rounds(pivots: int = PIVOTS) -> int:
     return rounds
 
 
-def keep_threshold(x: jax.Array, k: jax.Array, top_p: jax.Array, pivots: int = PIVOTS) -> jax.Array:
+def keep_threshold(x: jax.Array, k: jax.Array, top_p: jax.Array, pivots: int | None = None) -> jax.Array:
     """θ [R, 1] such that top-k/top-p keep exactly ``x >= θ`` of each row of x [R, V] (float32, no NaN; -inf = not
     allowed), as sorting would: the k largest (k [R] int32 in [1, V]; V = off) and the smallest most-likely prefix
     whose mass before its last token is below ``top_p`` ([R] float32 in (0, 1]; 1 = off), ties by value kept.
@@ -63,7 +63,9 @@ def keep_threshold(x: jax.Array, k: jax.Array, top_p: jax.Array, pivots: int = P
     largest value is the smallest with fewer than k above it, the top-p cut the smallest with less than top_p mass
     above it. The predicate only grows with x, so its smallest passing float32 key is found by a P-ary search, a fixed
     number of rounds of 2 * ``pivots`` masked reductions. Masses are float32 sums (a row whose cumulative mass lands
-    within float rounding of top_p may keep one token more or less than a sort in another order would)."""
+    within float rounding of top_p may keep one token more or less than a sort in another order would).
+    ``pivots`` None: :data:`PIVOTS`, read when traced."""
+    pivots = pivots or PIVOTS
     x = x + 0.0  # -0.0 -> +0.0: the same value, one key
     m = jnp.max(x, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
