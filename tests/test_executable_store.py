@@ -122,6 +122,7 @@ def test_a_restart_loads_every_step_traces_none_and_serves_the_same_tokens(tiny_
     assert r["tokens"] == cold["report"]["tokens"] and all(r["tokens"])
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs two devices (CPU runs make four; one GPU has one)")
 def test_a_tensor_parallel_restart_loads_its_steps_onto_the_mesh(tiny_dir, tiny_cfg, adapter_dirs, tmp_path):
     """Two of the host's devices (the conftest makes 4), in mesh order: a loaded step must run on exactly those."""
     requests = _requests(tiny_cfg.vocab_size)

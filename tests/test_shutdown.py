@@ -85,6 +85,7 @@ def run_drain(srv, grace_s: float, max_tokens: int, n_streams: int = 6, n_whole:
             wholes = [asyncio.ensure_future(whole_outcome(client, {**body, "model": models[n_streams + i]}))
                       for i in range(n_whole)]
             await wait_for(lambda: drain.in_flight == n_streams + n_whole and all(e.is_set() for e in started))
+            srv.drain_started = time.monotonic()
             srv.server.request_shutdown(grace_s)
             await wait_for(lambda: drain.draining)
             async with httpx.AsyncClient(base_url=srv.url, timeout=10) as fresh:
@@ -98,7 +99,6 @@ def run_drain(srv, grace_s: float, max_tokens: int, n_streams: int = 6, n_whole:
 def test_running_requests_finish_within_the_grace_period(tmp_path):
     srv = start_server_with_options(tmp_path, dict(shutdown_grace_s=30), n_adapters=3)
     slow_steps(srv.engine)
-    t0 = time.monotonic()
     streams, wholes, refused, health = run_drain(srv, grace_s=30, max_tokens=12)
     assert [kind for kind, _ in streams] == ["done"] * len(streams), streams
     assert [status for status, _ in wholes] == [200] * len(wholes), wholes
@@ -106,7 +106,9 @@ def test_running_requests_finish_within_the_grace_period(tmp_path):
     assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
     assert health.status_code == 503
     assert srv.server.wait_stopped(30)
-    assert time.monotonic() - t0 < 25  # exits once the requests are done, not at the end of the grace period
+    # Exits once the requests are done, not at the end of the grace period (timed from the drain's start: getting
+    # the requests running first can take long on a loaded machine).
+    assert time.monotonic() - srv.drain_started < 25
 
 
 def test_requests_open_after_the_grace_period_end_with_an_error(tmp_path):
