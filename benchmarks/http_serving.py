@@ -76,33 +76,89 @@ def make_spec_trace(spec: dict):
 # ---------------------------------------------------------------- the client (one event loop per process)
 
 
+def _new_record(i: int, r: HttpRequest, t0: float) -> dict:
+    return {"i": i, "arrival": r.arrival, "sent": time.monotonic() - t0, "first": None, "end": None, "tokens": 0,
+            "usage": None, "finish": None, "error": None, "gaps": []}
+
+
+def _take_chunk(rec: dict, chunk: dict, now: float, last: float | None) -> float | None:
+    """Account one parsed stream chunk (a dict) at time ``now``; returns the time of the last token seen."""
+    if chunk.get("usage"):
+        rec["usage"] = chunk["usage"].get("completion_tokens")
+    for c in chunk.get("choices") or ():
+        k = len(c.get("token_ids") or ())
+        if k:
+            if last is None:
+                rec["first"] = now
+            else:
+                rec["gaps"].append(((now - last) / k, k))
+            last = now
+            rec["tokens"] += k
+        if c.get("finish_reason") is not None:
+            rec["finish"], rec["end"] = c["finish_reason"], now
+    return last
+
+
+def _check_record(rec: dict, r: HttpRequest) -> dict:
+    if rec["error"] is None:
+        if rec["finish"] != "length" or rec["first"] is None:
+            rec["error"] = f"finish_{rec['finish']}"
+        elif rec["tokens"] != r.max_tokens or rec["usage"] not in (None, rec["tokens"]):
+            rec["error"], rec["detail"] = "token_count", f"{rec['tokens']} streamed, usage {rec['usage']}"
+    return rec
+
+
+def _request_body(r: HttpRequest) -> dict:
+    return {"model": r.adapter, "prompt": r.prompt_ids, "max_tokens": r.max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True}
+
+
+async def stream_request(http, url: str, api_key: str | None, i: int, r: HttpRequest, t0: float) -> dict:
+    """One request streamed with plain httpx: server-sent events split on blank lines, each ``json.loads``-ed.
+    The openai client builds a pydantic object per chunk (~300 us of CPU per chunk on the H200 host, measured from
+    the clients' CPU share in the 2026-12-01 run): at batch 256 that is several cores of client for one server."""
+    await asyncio.sleep(max(0.0, t0 + r.arrival - time.monotonic()))
+    rec, last = _new_record(i, r, t0), None
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with http.stream("POST", f"{url}/v1/completions", json=_request_body(r), headers=headers) as resp:
+            if resp.status_code != 200:
+                rec["error"], rec["detail"] = f"http_{resp.status_code}", (await resp.aread())[:300].decode(
+                    "utf-8", "replace")
+                return rec
+            buf = b""
+            async for data in resp.aiter_bytes():
+                now = time.monotonic() - t0
+                *events, buf = (buf + data).split(b"\n\n")
+                for ev in events:
+                    if not ev.startswith(b"data: ") or ev == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(ev[6:])
+                    if "error" in chunk:
+                        rec["error"], rec["detail"] = "stream_error", str(chunk["error"])[:300]
+                        return rec
+                    last = _take_chunk(rec, chunk, now, last)
+    except Exception as e:  # noqa: BLE001 (counted by kind, never raised: one request must not stop the trace)
+        name = type(e).__name__
+        kind = "timeout" if "Timeout" in name else "connection" if ("Connect" in name or "Protocol" in name
+                                                                    or "ReadError" in name) else name
+        rec["error"], rec["detail"] = kind, str(e)[:300]
+    return _check_record(rec, r)
+
+
 async def _one(client, i: int, r: HttpRequest, t0: float) -> dict:
+    """One request through the ``openai`` async client (the user's client; a correctness check of our stream)."""
     import openai
 
     await asyncio.sleep(max(0.0, t0 + r.arrival - time.monotonic()))
-    rec = {"i": i, "arrival": r.arrival, "sent": time.monotonic() - t0, "first": None, "end": None, "tokens": 0,
-           "usage": None, "finish": None, "error": None, "gaps": []}
-    last = None
+    rec, last = _new_record(i, r, t0), None
     try:
         stream = await client.completions.create(
             model=r.adapter, prompt=r.prompt_ids, max_tokens=r.max_tokens, temperature=0.0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
         async with stream:
             async for chunk in stream:
-                now = time.monotonic() - t0
-                if chunk.usage is not None:
-                    rec["usage"] = chunk.usage.completion_tokens
-                for c in chunk.choices:
-                    k = len((c.model_extra or {}).get("token_ids") or ())
-                    if k:
-                        if last is None:
-                            rec["first"] = now
-                        else:
-                            rec["gaps"].append(((now - last) / k, k))
-                        last = now
-                        rec["tokens"] += k
-                    if c.finish_reason is not None:
-                        rec["finish"], rec["end"] = c.finish_reason, now
+                last = _take_chunk(rec, chunk.model_dump(), time.monotonic() - t0, last)
     except openai.APIStatusError as e:
         rec["error"], rec["detail"] = f"http_{e.status_code}", str(e)[:300]
     except openai.APITimeoutError as e:
@@ -113,17 +169,13 @@ async def _one(client, i: int, r: HttpRequest, t0: float) -> dict:
         rec["error"], rec["detail"] = "stream_error", str(e)[:300]
     except Exception as e:  # noqa: BLE001 (counted by kind, never raised: one request must not stop the trace)
         rec["error"], rec["detail"] = type(e).__name__, str(e)[:300]
-    if rec["error"] is None:
-        if rec["finish"] != "length" or rec["first"] is None:
-            rec["error"] = f"finish_{rec['finish']}"
-        elif rec["tokens"] != r.max_tokens or rec["usage"] not in (None, rec["tokens"]):
-            rec["error"], rec["detail"] = "token_count", f"{rec['tokens']} streamed, usage {rec['usage']}"
-    return rec
+    return _check_record(rec, r)
 
 
 async def replay(url: str, api_key: str | None, reqs: list[tuple[int, HttpRequest]], t0: float,
-                 timeout_s: float) -> dict:
-    """Send ``reqs`` at ``t0`` + their arrival (``time.monotonic`` clock, shared by processes) and stream them."""
+                 timeout_s: float, client_kind: str = "httpx") -> dict:
+    """Send ``reqs`` at ``t0`` + their arrival (``time.monotonic`` clock, shared by processes) and stream them,
+    with plain httpx (``client_kind`` "httpx") or the ``openai`` client ("openai")."""
     import openai
 
     try:  # the HTTP library this openai release is built on (httpx2 from openai 3.x), else httpx
@@ -143,13 +195,18 @@ async def replay(url: str, api_key: str | None, reqs: list[tuple[int, HttpReques
 
     cpu0, wall0 = time.process_time(), time.monotonic()
     tick = asyncio.ensure_future(ticker())
-    records = await asyncio.gather(*(_one(client, i, r, t0) for i, r in reqs))
+    if client_kind == "openai":
+        records = await asyncio.gather(*(_one(client, i, r, t0) for i, r in reqs))
+    else:
+        records = await asyncio.gather(*(stream_request(http, url, api_key, i, r, t0) for i, r in reqs))
     running = False
     await tick
     cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
     await client.close()
     busy_wall = max(wall - max(0.0, t0 - wall0), 1e-9)  # from the trace start, not from when the process woke
-    return {"records": records, "cpu_frac": cpu / busy_wall,
+    chunks = sum(len(rec["gaps"]) + (rec["first"] is not None) for rec in records)
+    return {"records": records, "client": client_kind, "cpu_frac": cpu / busy_wall,
+            "cpu_us_per_chunk": 1e6 * cpu / max(chunks, 1),
             "loop_lag_ms_p99": float(np.percentile(lags, 99) * 1e3) if lags else None,
             "loop_lag_ms_max": float(max(lags) * 1e3) if lags else None}
 
@@ -168,10 +225,10 @@ def _replay_in_process(job) -> dict:
 
 
 def run_http_trace(pool, procs: int, url: str, api_key, reqs: list[HttpRequest], timeout_s: float,
-                   lead_s: float = 1.0) -> tuple[list[dict], list[dict]]:
+                   lead_s: float = 1.0, client_kind: str = "httpx") -> tuple[list[dict], list[dict]]:
     """Split the trace round-robin over ``procs`` client processes that share one start time."""
     t0 = time.monotonic() + lead_s
-    jobs = [(url, api_key, [(i, r) for i, r in enumerate(reqs) if i % procs == p], t0, timeout_s)
+    jobs = [(url, api_key, [(i, r) for i, r in enumerate(reqs) if i % procs == p], t0, timeout_s, client_kind)
             for p in range(procs)]
     outs = pool.map(_replay_in_process, jobs, chunksize=1)
     records = sorted((rec for o in outs for rec in o["records"]), key=lambda d: d["i"])
@@ -392,7 +449,13 @@ def parse_args(argv=None):
     ap.add_argument("--aiperf-rates", default="sat", help="aiperf runs: sat or xF (of our HTTP saturation)")
     ap.add_argument("--aiperf-mode", default="synthetic", choices=["synthetic", "trace"])
     ap.add_argument("--aiperf-python", default=sys.executable, help="the Python that has aiperf")
-    ap.add_argument("--client-procs", type=int, default=None, help="client processes (default min(4, cpus // 4))")
+    ap.add_argument("--aiperf-first", action="store_true",
+                    help="run aiperf before our traces (default after), on the server as the warm-up trace left it")
+    ap.add_argument("--rates-again", default="", help="our traces again after aiperf (e.g. sat): order effects")
+    ap.add_argument("--client", default="httpx", choices=["httpx", "openai"],
+                    help="our timed traces' client: plain httpx SSE (default) or the openai client (the warm-up "
+                    "trace always goes through openai, as a check)")
+    ap.add_argument("--client-procs", type=int, default=None, help="client processes (default min(8, cpus // 2))")
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
     ap.add_argument("--startup-timeout-s", type=float, default=1200.0)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no trace after this many seconds")
@@ -418,7 +481,7 @@ def parse_args(argv=None):
     args.out_range = [int(x) for x in (args.out_range or lo_hi).split(",")]
     args.requests = args.requests or (48 if args.tiny else 800)
     args.duration = args.duration or (20.0 if args.tiny else 30.0)
-    args.client_procs = args.client_procs or (1 if args.tiny else max(1, min(4, (os.cpu_count() or 4) // 4)))
+    args.client_procs = args.client_procs or (1 if args.tiny else max(1, min(8, (os.cpu_count() or 4) // 2)))
     return args, server_args, srv
 
 
@@ -471,13 +534,22 @@ def resolve_inputs(args, srv, server_args: list[str], info: dict, report: dict) 
     return Path(model_dir), adapter_dirs
 
 
-def http_phase(args, pool, url: str, api_key, names: list[str], vocab: int, http_end: float) -> tuple[list, dict]:
-    """Our client: the warm-up trace (untimed), then ``--rates`` in order."""
+def http_warm(args, pool, url: str, api_key, names: list[str], vocab: int) -> tuple[list, dict, None]:
+    """The warm-up trace (untimed, through the openai client: its errors are reported)."""
     warm = trace_requests(make_spec_trace(warm_spec(args)), names[-WARM_ADAPTERS:], vocab)
-    run_http_trace(pool, args.client_procs, url, api_key, warm,
-                   args.request_timeout_s)
-    results, specs, sat = [], {}, None
-    for token in [x for x in args.rates.split(",") if x]:
+    # the untimed warm-up goes through the openai client: a check that a user's client reads our streams right
+    records, clients = run_http_trace(pool, args.client_procs, url, api_key, warm, args.request_timeout_s,
+                                      client_kind="openai")
+    check = summarize("warm-openai", records, args.slo_s, clients)
+    print_row("openai", check)
+    results, specs, sat = [check | {"as": "openai-check"}], {}, None
+    return results, specs, sat
+
+
+def http_traces(args, pool, url: str, api_key, names: list[str], vocab: int, http_end: float, tokens: list[str],
+                sat: float | None, results: list, specs: dict, suffix: str = "") -> float | None:
+    """Our client on the traces ``tokens`` (sat, rates, xF), results appended as ``token + suffix``."""
+    for token in tokens:
         spec = spec_for(token, sat, len(names), args)
         if spec is None or time.monotonic() > http_end:
             print(f"skip {token}: {'no saturation measured' if spec is None else 'budget'}", flush=True)
@@ -485,12 +557,14 @@ def http_phase(args, pool, url: str, api_key, names: list[str], vocab: int, http
         specs[token] = spec
         t = time.monotonic()
         records, clients = run_http_trace(pool, args.client_procs, url, api_key,
-                                          trace_requests(make_spec_trace(spec), names, vocab), args.request_timeout_s)
+                                          trace_requests(make_spec_trace(spec), names, vocab), args.request_timeout_s,
+                                          client_kind=args.client)
         res = summarize(spec["name"], records, args.slo_s, clients)
-        results.append(res | {"rate": spec["rate"], "spec": spec, "as": token, "wall_s": time.monotonic() - t})
-        sat = res["throughput_req_s"] if token == "sat" else sat
-        print_row("http", res)
-    return results, specs
+        results.append(res | {"rate": spec["rate"], "spec": spec, "as": token + suffix,
+                              "wall_s": time.monotonic() - t})
+        sat = res["throughput_req_s"] if token == "sat" and not suffix else sat
+        print_row("http" + suffix, res)
+    return sat
 
 
 def aiperf_phase(args, url: str, api_key, names, vocab, model_dir: Path, specs: dict, sat, http_end) -> list:
@@ -564,13 +638,22 @@ def main(argv=None) -> int:
               f"{report.get('server_startup_s', 0):.0f} s {report.get('server_phases', {})}", flush=True)
         save()
         if not args.prepare_only:
-            report["http"], specs = http_phase(args, pool, url, srv.api_key, names, vocab, http_end)
-            save()
-            if args.aiperf:
-                sat = next((r["throughput_req_s"] for r in report["http"] if r["as"] == "sat"), None)
+            report["http"], specs, sat = http_warm(args, pool, url, srv.api_key, names, vocab)
+            ours = [x for x in args.rates.split(",") if x]
+            if args.aiperf and args.aiperf_first:  # aiperf on the server as it is after the warm-up trace
                 report["aiperf"] = aiperf_phase(args, url, srv.api_key, names, vocab, model_dir, specs, sat,
                                                 http_end)
                 save()
+            sat = http_traces(args, pool, url, srv.api_key, names, vocab, http_end, ours, sat, report["http"], specs)
+            save()
+            if args.aiperf and not args.aiperf_first:
+                report["aiperf"] = aiperf_phase(args, url, srv.api_key, names, vocab, model_dir, specs, sat,
+                                                http_end)
+                save()
+            again = [x for x in args.rates_again.split(",") if x]  # ours again after aiperf: order effects
+            http_traces(args, pool, url, srv.api_key, names, vocab, http_end, again, sat, report["http"], specs,
+                        suffix="-again")
+            save()
         if proc is not None:
             report["server_metrics"] = scrape_metrics(url, srv.api_key)
             report["server_log_problems"] = proc.log_problems()[:20]
@@ -623,6 +706,14 @@ def compare(report: dict) -> dict:
     if ai and ours:
         out["aiperf_over_ours_sat"] = ai["throughput_req_s"] / max(ours["throughput_req_s"], 1e-9)
         out["aiperf_over_ours_sat_tok"] = (ai.get("throughput_tok_s") or 0) / max(ours["throughput_tok_s"], 1e-9)
+    again = http.get("sat-again")  # ours after aiperf: the same server state aiperf left
+    if again and inproc:
+        out["http_again_over_in_process_sat"] = again["throughput_req_s"] / max(inproc["throughput_req_s"], 1e-9)
+    if again and ai:
+        out["aiperf_over_ours_again_sat"] = ai["throughput_req_s"] / max(again["throughput_req_s"], 1e-9)
+    check = http.get("openai-check")
+    if check:
+        out["openai_check_finished"] = f"{check['finished']}/{check['requests']}"
     return out
 
 

@@ -11,6 +11,27 @@ from ..engine.detok import IncrementalDetokenizer
 from ..engine.sequence import RequestOutput
 
 
+class BackendDecoder:
+    """``tokenizer.decode(ids, skip_special_tokens=...)`` straight from a fast tokenizer's Rust backend. The
+    detokenizer decodes twice per streamed token; transformers' ``decode`` wraps the same backend call in about
+    three times its cost of Python (argument conversion, batch checks), run on the event loop for every token.
+    Only for a tokenizer whose decode is exactly the backend's (:meth:`wrap` checks: no space clean-up)."""
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    @classmethod
+    def wrap(cls, tokenizer):
+        """A :class:`BackendDecoder` for ``tokenizer`` where that is exact, else ``tokenizer`` itself."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+            return tokenizer
+        return cls(backend)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 class Choice:
     def __init__(self, index: int, request_id: str, tokenizer, stop: tuple[str, ...]):
         self.index, self.request_id = index, request_id  # its place in the answer; its engine request id

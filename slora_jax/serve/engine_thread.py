@@ -3,8 +3,10 @@
 The engine is not thread-safe and a step blocks for the duration of a device step, so it cannot run on the event
 loop. Every touch of the engine (add, abort, adapter unregistration, stats) is queued here and done between steps by
 the one engine thread (only what the engine documents as thread-safe, such as ``has_adapter`` and
-``register_adapter``, is called from elsewhere). Outputs come back to each request's ``asyncio.Queue`` via
-``loop.call_soon_threadsafe``. The thread steps while there is work and sleeps on a condition variable when idle.
+``register_adapter``, is called from elsewhere). Outputs come back to each request's :class:`RequestStream` in one
+``loop.call_soon_threadsafe`` per step (not one per token: at batch 256 the per-token hand-off was 256 wake-ups of
+the event loop and 256 self-pipe writes per step, all under the GIL the step loop needs). The thread steps while
+there is work and sleeps on a condition variable when idle.
 A step that raises fails only the requests that were in it (their clients get an error, not a hang) and the thread
 keeps serving.
 """
@@ -12,6 +14,7 @@ keeps serving.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -34,24 +37,50 @@ class EngineUnavailable(RuntimeError):
 class RequestStream:
     """One request's outputs, in order, as the engine thread produces them; iterate until ``finished``. A request
     for ``samples`` samples gets the outputs of all its engine requests here (``RequestOutput.request_id`` tells
-    them apart) and is finished when each has sent its last."""
+    them apart) and is finished when each has sent its last. Filled on the event loop (``put``, from the engine
+    thread's per-step hand-off); ``take_ready`` hands over whatever arrived meanwhile, so a reader that fell behind
+    catches up in one go."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, samples: int = 1):
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._items: collections.deque[RequestOutput] = collections.deque()
+        self._waiter: asyncio.Future | None = None
         self.open = samples  # engine requests that have not sent their last output
         self.finished = False
 
+    def put(self, out: RequestOutput) -> None:
+        """Event-loop side: append and wake the reader."""
+        self._items.append(out)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     def put_threadsafe(self, out: RequestOutput) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+            self.loop.call_soon_threadsafe(self.put, out)
 
-    async def get(self, timeout: float | None = None) -> RequestOutput:
-        out = await asyncio.wait_for(self.queue.get(), timeout)
+    def _pop(self) -> RequestOutput:
+        out = self._items.popleft()
         if out.finished:
             self.open -= 1
             self.finished = self.open <= 0
+        return out
+
+    async def get(self, timeout: float | None = None) -> RequestOutput:
+        while not self._items:
+            self._waiter = self.loop.create_future()
+            try:
+                await (self._waiter if timeout is None else asyncio.wait_for(self._waiter, timeout))
+            finally:
+                self._waiter = None
+        return self._pop()
+
+    def take_ready(self) -> list[RequestOutput]:
+        """The outputs that arrived and were not read yet (none once ``finished``), without waiting."""
+        out = []
+        while self._items and not self.finished:
+            out.append(self._pop())
         return out
 
     def __aiter__(self):
@@ -61,6 +90,12 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         return await self.get()
+
+
+def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """One step's outputs, handed to their streams on the event loop in one callback."""
+    for stream, out in items:
+        stream.put(out)
 
 
 @dataclasses.dataclass
@@ -112,6 +147,7 @@ class EngineThread:
         self._calls: list[_Call] = []
         self._streams: dict[str, RequestStream] = {}  # engine-thread only
         self._finished: list[str] = []  # engine-thread only: ids to release after the outputs went out
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # engine-thread only: outputs not yet handed over
         self._stopping = False
         self._held = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -229,8 +265,10 @@ class EngineThread:
                 self._abort(rid)
             for call in calls:
                 self._run_call(call)
+            self._hand_over()  # aborts' last outputs go before the step's wait
             if not held and self._has_work():
                 self._step()
+            self._hand_over()
             self._release_finished()
         self._shutdown()
 
@@ -268,8 +306,10 @@ class EngineThread:
         try:
             result = call.fn()
         except Exception as e:
+            self._hand_over()  # what the call delivered reaches its streams before the caller hears back
             _resolve(call.done, error=e)
         else:
+            self._hand_over()
             _resolve(call.done, result)
 
     def _on_output(self, out: RequestOutput) -> None:
@@ -283,7 +323,14 @@ class EngineThread:
         if out.finished:
             del self._streams[out.request_id]
             self._finished.append(out.request_id)
-        stream.put_threadsafe(out)
+        self._outbox.setdefault(stream.loop, []).append((stream, out))
+
+    def _hand_over(self) -> None:
+        """Send the outputs gathered since the last hand-off: one callback per event loop (engine thread)."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _step(self) -> None:
         t0 = time.monotonic()
@@ -362,4 +409,5 @@ class EngineThread:
             _resolve(call.done, error=EngineUnavailable("the server is shutting down"))
         for rid in list(self._streams):
             self._abort(rid)
+        self._hand_over()
         self._release_finished()

@@ -29,11 +29,11 @@ from ..engine.engine import QueueFull, RequestRejected
 from ..engine.forks import sample_ids
 from ..engine.sequence import RequestOutput
 from ..lora.peft import AdapterError
-from .choices import Choice
+from .choices import BackendDecoder, Choice
 from .engine_thread import EngineThread, EngineUnavailable, RequestStream
 from .logprob_format import ChoiceLogprobs, TokenTexts
 from .metrics import ServerMetrics
-from .protocol import APIError, chat_choice, chat_delta, completion_choice, envelope, new_id, usage
+from .protocol import APIError, ChunkTemplate, chat_choice, chat_delta, completion_choice, envelope, new_id, usage
 from .request_builder import PreparedRequest
 
 # RequestOutput.error_kind values: the request's own fault (400), and a first-token deadline missed (503)
@@ -67,6 +67,8 @@ class Generation:
                  token_texts: TokenTexts | None = None):
         self.req, self.rid, self.stream = prepared, rid, stream
         self.adapter_label = adapter_label  # its label in the per-adapter series (None: the base model)
+        # labels never move (metrics.AdapterLabels), so the series is looked up once, not once per token
+        self._adapter_tokens = None if adapter_label is None else metrics.adapter_tokens.labels(adapter_label)
         self.engine_thread, self.metrics, self.arrival = engine_thread, metrics, arrival
         self.choices = [Choice(i, sid, tokenizer, prepared.sampling.stop)
                         for i, sid in enumerate(sample_ids(rid, prepared.n))]
@@ -79,13 +81,16 @@ class Generation:
                          for c in self.choices} if asked else {}
         self.echo_pending = {c.index for c in self.choices} if prepared.echo_text is not None else set()
         self.created = int(time.time())
+        self.template = ChunkTemplate(prepared.kind, rid, prepared.model, self.created)
         self.first_token = False
         self.failed: Choice | None = None  # the first choice that ended in error or abort: the answer fails
 
     @property
     def done(self) -> bool:
         """Every choice is complete, or one failed (then the answer fails)."""
-        return self.failed is not None or all(c.done for c in self.choices)
+        if self.failed is not None:
+            return True
+        return self.choices[0].done if len(self.choices) == 1 else all(c.done for c in self.choices)
 
     def _record(self, out: RequestOutput) -> tuple[Choice, str]:
         """Account for one output; returns its choice and the text that may be sent now."""
@@ -94,16 +99,17 @@ class Generation:
             choice.ended |= out.finished
             return choice, ""
         now = time.monotonic()
-        if out.new_token_ids:
+        tokens = len(out.new_token_ids)
+        if tokens:
             if not self.first_token:
                 self.metrics.ttft.observe(now - self.arrival)
                 self.first_token = True
             elif choice.last_token_time is not None:
-                self.metrics.tpot.observe((now - choice.last_token_time) / len(out.new_token_ids))
+                self.metrics.tpot.observe((now - choice.last_token_time) / tokens)
             choice.last_token_time = now
-            self.metrics.generated_tokens.inc(len(out.new_token_ids))
-            if self.adapter_label is not None:
-                self.metrics.adapter_tokens.labels(self.adapter_label).inc(len(out.new_token_ids))
+            self.metrics.generated_tokens.inc(tokens)
+            if self._adapter_tokens is not None:
+                self._adapter_tokens.inc(tokens)
         text, stopped = choice.add(out)
         if self.logprobs:
             self.logprobs[choice.index].add(out)
@@ -181,6 +187,8 @@ class Generation:
     def _chunk(self, index: int, text: str, finish_reason: str | None, ids: list[int] | None,
                role: bool = False) -> str:
         ids = ids if self.req.return_token_ids else None
+        if not (role or self.logprobs or index in self.echo_pending):  # the plain chunk of nearly every token
+            return self.template.event(index, text, finish_reason, ids)
         if index in self.echo_pending:  # the answer starts with the prompt
             self.echo_pending.discard(index)
             text = self.req.echo_text + text
@@ -202,19 +210,32 @@ class Generation:
             if self.req.kind == "chat":
                 for c in self.choices:
                     yield self._chunk(c.index, "", None, None, role=True)
-            async for out in self.stream:
-                was_done = self._by_request[out.request_id].done
-                c, text = self._record(out)
-                if was_done:
-                    continue
+            async for first in self.stream:
+                # the outputs that arrived while this request waited for the loop go out together: one event per
+                # choice, so a loop that fell behind catches up instead of falling further behind
+                gathered: dict[int, tuple[list[str], list[int]]] = {}
+                for out in (first, *self.stream.take_ready()):
+                    was_done = self._by_request[out.request_id].done
+                    c, text = self._record(out)
+                    if was_done:
+                        continue
+                    texts, ids = gathered.setdefault(c.index, ([], []))
+                    texts.append(text)
+                    ids.extend(out.new_token_ids)
+                    if self.failed is not None or self.done:
+                        break
+                for index, (texts, ids) in gathered.items():
+                    c, text = self.choices[index], "".join(texts)
+                    if c is self.failed:
+                        if ids or text:
+                            yield self._chunk(index, text, None, ids)
+                        continue
+                    fresh = index in self.echo_pending or (self.logprobs and self.logprobs[index].pending())
+                    if text or c.done or fresh or (self.req.return_token_ids and ids):
+                        yield self._chunk(index, text, c.finish_reason, ids)
                 if self.failed is not None:
-                    if out.new_token_ids or text:
-                        yield self._chunk(c.index, text, None, out.new_token_ids)
                     yield f"data: {json.dumps(self._failure().body())}\n\n"
                     break
-                fresh = c.index in self.echo_pending or (self.logprobs and self.logprobs[c.index].pending())
-                if text or c.done or fresh or (self.req.return_token_ids and out.new_token_ids):
-                    yield self._chunk(c.index, text, c.finish_reason, out.new_token_ids)
                 if self.done:
                     break
             if self.req.include_usage:
@@ -230,7 +251,8 @@ class GenerationRunner:
     """Submits prepared requests to the engine thread and answers them, streamed or whole."""
 
     def __init__(self, engine_thread: EngineThread, metrics: ServerMetrics, tokenizer):
-        self.engine_thread, self.metrics, self.tokenizer = engine_thread, metrics, tokenizer
+        self.engine_thread, self.metrics = engine_thread, metrics
+        self.tokenizer = BackendDecoder.wrap(tokenizer)  # what the choices decode with: once per token
         self.token_texts = TokenTexts(tokenizer)  # token id -> text, for logprobs
 
     async def start(self, prepared: PreparedRequest, arrival: float) -> Generation:
