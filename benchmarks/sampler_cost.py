@@ -2,7 +2,7 @@
 implementation beside the one before 2026-12-01 (which sorted the whole vocabulary).
 
     PYTHONPATH=. python benchmarks/sampler_cost.py --out results.json                       # GPU: about a minute
-    PYTHONPATH=. python benchmarks/sampler_cost.py --batches 1,128,256 --pivots 1,3,7 --out r.json   # + search widths
+    PYTHONPATH=. python benchmarks/sampler_cost.py --variants siblings-p3,stored-p3,stacked-p7 --out r.json
     PYTHONPATH=. python benchmarks/sampler_cost.py --batches 4 --iters 3                       # CPU smoke run
 
 Every decode step runs, after the lm_head: penalties (``penalties.apply`` / ``count_sampled``: a gather of each
@@ -10,11 +10,11 @@ row's state, even for rows without penalties), the sampler (``sampling.sample``:
 Gumbel-max) and ``logprobs.packed_logprobs`` (log-softmax, top-20), branch-free, whether or not a request asked.
 ``--impl old`` is a frozen copy of the sort-based sampler and logprobs (threshold from ``jnp.sort`` of the vocabulary,
 ``lax.top_k(20)``, which is a sort on GPU); ``new`` is the code in ``slora_jax/engine`` (``vocab_select.py``);
-``new-pN`` the same with N pivots per search round (``--pivots``). This times each part alone and together, N
-iterations inside one jitted loop (dispatch not timed), against the bytes each must read over the copy bandwidth, and
-as a share of a decode step (``--step-ms``, the measured serving step). Correctness first: the packed logprobs against
-numpy's log-softmax, greedy rows against argmax, and old against new (same Gumbel noise: the same tokens unless a
-row's top-p cut lands within float rounding, and the same top-20 ids).
+``new FORM-pN`` the same written another way (``--variants``: ``vocab_select.FORM``, N pivots a search round).
+This times each part alone and together, N iterations inside one jitted loop (dispatch not timed), against the bytes
+each must read over the copy bandwidth, and as a share of a decode step (``--step-ms``, the measured serving step).
+Correctness first: the packed logprobs against numpy's log-softmax, greedy rows against argmax, and old against new
+(same Gumbel noise: the same tokens unless a row's top-p cut lands within float rounding; the same top-20 ids).
 """
 
 from __future__ import annotations
@@ -83,7 +83,9 @@ def main() -> None:
     ap.add_argument("--copy-gbs", type=float, default=None,
                     help="copy bandwidth for the floors (default: measured by torch in a child, before jax starts)")
     ap.add_argument("--impl", default="old,new", help="old (sort-based, before 2026-12-01), new, or both")
-    ap.add_argument("--pivots", default="", help="also time the new sampler with these pivots per search round")
+    ap.add_argument("--variants", default="",
+                    help="also time the new sampler as FORM-pN (vocab_select.FORM, N pivots a round), comma-separated, "
+                         "e.g. stacked-p1,siblings-p3,stored-p3,stacked-p7")
     ap.add_argument("--out")
     args = ap.parse_args()
     copy_source = "--copy-gbs"
@@ -100,18 +102,21 @@ def main() -> None:
     from slora_jax.engine.logprobs import PACKED_WIDTH, packed_logprobs
     from slora_jax.engine.sampling import SamplingArrays, SamplingParams, sample, sampling_arrays
 
-    def with_pivots(n):
+    def variant(name):
+        form, pivots = name.rsplit("-p", 1)
+
         def fn(lg, s):
-            default, vocab_select.PIVOTS = vocab_select.PIVOTS, n  # read when traced
+            default = vocab_select.FORM, vocab_select.PIVOTS  # read when traced
+            vocab_select.FORM, vocab_select.PIVOTS = form, int(pivots)
             try:
                 return sample(lg, s)
             finally:
-                vocab_select.PIVOTS = default
+                vocab_select.FORM, vocab_select.PIVOTS = default
         return fn
 
     impls = {"old": (old_sample, old_packed_logprobs), "new": (sample, packed_logprobs)}
     impls = {name: impls[name] for name in args.impl.split(",")}
-    impls.update({f"new-p{n}": (with_pivots(int(n)), None) for n in args.pivots.split(",") if n})
+    impls.update({f"new {v}": (variant(v), None) for v in args.variants.split(",") if v})
 
     V = args.vocab
     rng = np.random.default_rng()
@@ -189,7 +194,8 @@ def main() -> None:
     report = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "device": jax.devices()[0].device_kind,
               "jax_version": jax.__version__, "git_commit": git_commit(), "vocab": V, "iters": args.iters,
               "step_ms": args.step_ms, "copy_gbs": args.copy_gbs, "copy_source": copy_source,
-              "pivots": vocab_select.PIVOTS, "search_rounds": vocab_select.search_rounds(), "rows": rows_out}
+              "form": vocab_select.FORM, "pivots": vocab_select.PIVOTS, "search_rounds": vocab_select.search_rounds(),
+              "rows": rows_out}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 

@@ -109,8 +109,8 @@ def test_kept_set_and_renormalized_probabilities_match_a_sort(vocab):
     assert exact_rows >= 50  # the margin decided almost no row
 
 
-@pytest.mark.parametrize("pivots", [1, 3, 7])
-def test_keep_threshold_is_exact_for_any_search_width(pivots):
+@pytest.mark.parametrize(("form", "pivots"), [("stacked", 1), ("stacked", 3), ("siblings", 7), ("stored", 3)])
+def test_keep_threshold_is_exact_for_any_search_width(form, pivots):
     """Deep cuts (flat rows, large top_k), ties, -inf, many zeros of both signs. (θ itself may be a denormal below a
     zero where the compiler flushes denormals: the same kept set.)"""
     rng = np.random.default_rng()
@@ -120,7 +120,7 @@ def test_keep_threshold_is_exact_for_any_search_width(pivots):
     x[1, rng.integers(vocab, size=300)] = -np.inf
     k = rng.choice([1, 2, 19, 1500, vocab], rows).astype(np.int32)
     top_p = rng.choice([1e-6, 0.3, 0.9, 0.99, 1.0], rows).astype(np.float32)
-    fn = jax.jit(lambda a, b, c: vocab_select.keep_threshold(a, b, c, pivots))
+    fn = jax.jit(lambda a, b, c: vocab_select.keep_threshold(a, b, c, pivots, form))
     theta = np.asarray(fn(jnp.asarray(x), jnp.asarray(k), jnp.asarray(top_p)))[:, 0]
     for i in range(rows):
         lo, hi = _ref_bounds(x[i], int(k[i]), float(top_p[i]))

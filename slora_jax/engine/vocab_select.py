@@ -19,6 +19,11 @@ import numpy as np
 
 CHUNK = 32  # top_k: vocabulary entries per chunk (V / CHUNK chunk maxima, then k * CHUNK candidates)
 PIVOTS = 3  # keep_threshold: pivots per round (4-way search: 16 rounds over 2**32 keys)
+# keep_threshold: how a round's reduction is written for XLA (all exact; which is fastest is a GPU measurement,
+# benchmarks/sampler_cost.py --variants): "stacked" one reduction over [R, PIVOTS, V]; "siblings" one [R, V]
+# reduction per pivot (XLA's multi-output fusion reads the row once for all); "stored" siblings reading a stored
+# exp(x - max) instead of recomputing it in every round
+FORM = "stacked"
 _SIGN = np.uint32(0x80000000)
 _LOW31 = np.int32(0x7FFFFFFF)
 _FULL_WIDTH = 0xFF000002  # key(+inf) - (key(-inf) - 1): the search's first bracket
@@ -54,22 +59,26 @@ def search_rounds(pivots: int = PIVOTS) -> int:
     return rounds
 
 
-def keep_threshold(x: jax.Array, k: jax.Array, top_p: jax.Array, pivots: int | None = None) -> jax.Array:
+def keep_threshold(x: jax.Array, k: jax.Array, top_p: jax.Array, pivots: int | None = None,
+                   form: str | None = None) -> jax.Array:
     """θ [R, 1] such that top-k/top-p keep exactly ``x >= θ`` of each row of x [R, V] (float32, no NaN; -inf = not
     allowed), as sorting would: the k largest (k [R] int32 in [1, V]; V = off) and the smallest most-likely prefix
     whose mass before its last token is below ``top_p`` ([R] float32 in (0, 1]; 1 = off), ties by value kept.
 
     The kept set is ``{x : count(> x) < k and mass(> x) < top_p}`` (``mass`` from the softmax of the row): the k-th
     largest value is the smallest with fewer than k above it, the top-p cut the smallest with less than top_p mass
-    above it. The predicate only grows with x, so its smallest passing float32 key is found by a P-ary search, a fixed
-    number of rounds of 2 * ``pivots`` masked reductions. Masses are float32 sums (a row whose cumulative mass lands
-    within float rounding of top_p may keep one token more or less than a sort in another order would).
-    ``pivots`` None: :data:`PIVOTS`, read when traced."""
-    pivots = pivots or PIVOTS
+    above it. The predicate only grows with x, so its smallest passing float32 key is found by a P-ary search: a fixed
+    number of rounds (:func:`search_rounds`), each one reduction over the row (count and mass at ``pivots`` keys).
+    Masses are float32 sums (a row whose cumulative mass lands within float rounding of top_p may keep one token more
+    or less than a sort summing in another order would). ``pivots``/``form`` None: :data:`PIVOTS`/:data:`FORM`, read
+    when traced."""
+    pivots, form = pivots or PIVOTS, form or FORM
     x = x + 0.0  # -0.0 -> +0.0: the same value, one key
     m = jnp.max(x, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(x - m)
+    if form == "stored":
+        e = jax.lax.optimization_barrier(e)  # written once, read by every round
     budget = jnp.where(top_p >= 1.0, jnp.inf, top_p * jnp.sum(e, axis=-1))  # mass(> t) < top_p, in units of e
     k = k.astype(jnp.int32)
     lo = jnp.full(k.shape, _key(jnp.float32(-jnp.inf)) - 1)  # predicate false (below every key)
@@ -77,15 +86,31 @@ def keep_threshold(x: jax.Array, k: jax.Array, top_p: jax.Array, pivots: int | N
     for _ in range(search_rounds(pivots)):
         width = hi - lo
         step = width // np.uint32(pivots + 1) + (width % np.uint32(pivots + 1) != 0)  # ceil, without overflow
-        new_lo, new_hi = lo, hi
-        for j in range(1, pivots + 1):
-            q = lo + jnp.minimum(step * np.uint32(j), width)
-            above = x > _value(q)[:, None]
-            ok = (jnp.sum(above, axis=-1, dtype=jnp.int32) < k) & (jnp.sum(jnp.where(above, e, 0.0), axis=-1) < budget)
-            new_hi = jnp.where(ok, jnp.minimum(new_hi, q), new_hi)
-            new_lo = jnp.where(ok, new_lo, jnp.maximum(new_lo, q))
-        lo, hi = new_lo, new_hi
+        q = lo[:, None] + jnp.minimum(step[:, None] * np.arange(1, pivots + 1, dtype=np.uint32), width[:, None])
+        count, mass = _count_and_mass_above(x, e, _value(q), form)
+        ok = (count < k[:, None]) & (mass < budget[:, None])  # [R, pivots]: False then True (monotone)
+        lo, hi = jnp.max(jnp.where(ok, lo[:, None], q), axis=-1), jnp.min(jnp.where(ok, q, hi[:, None]), axis=-1)
     return _value(hi)[:, None]
+
+
+def _count_and_mass_above(x, e, t, form: str):
+    """int32 and float32 [R, P]: how many of each row's x lie above each of its P values t [R, P], and their e."""
+    if form == "stacked":
+        above = x[:, None, :] > t[:, :, None]  # [R, P, V], fused into the reduction
+        return jax.lax.reduce((above.astype(jnp.int32), jnp.where(above, e[:, None, :], 0.0)),
+                              (np.int32(0), np.float32(0.0)), _add_pairs, (2,))
+    if form not in ("siblings", "stored"):
+        raise ValueError(f"unknown keep_threshold form {form!r}")
+    stats = []
+    for j in range(t.shape[1]):
+        above = x > t[:, j:j + 1]
+        stats.append(jax.lax.reduce((above.astype(jnp.int32), jnp.where(above, e, 0.0)),
+                                    (np.int32(0), np.float32(0.0)), _add_pairs, (1,)))
+    return jnp.stack([c for c, _ in stats], axis=-1), jnp.stack([w for _, w in stats], axis=-1)
+
+
+def _add_pairs(a, b):
+    return a[0] + b[0], a[1] + b[1]
 
 
 def _key(v: jax.Array) -> jax.Array:
