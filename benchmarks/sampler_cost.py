@@ -133,8 +133,8 @@ def main() -> None:
         # correctness: packed logprobs vs numpy, greedy rows vs argmax
         lg = np.asarray(logits, np.float64)
         ref = lg - (lg.max(-1, keepdims=True) + np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True)))
-        tok = sample(penalties.apply(logits, s, state), s)
-        packed = np.asarray(packed_logprobs(logits, tok))
+        tok = jax.jit(lambda lg, s, st: sample(penalties.apply(lg, s, st), s))(logits, s, state)
+        packed = np.asarray(jax.jit(packed_logprobs)(logits, tok))
         assert packed.shape == (B, PACKED_WIDTH)
         chosen = packed[:, 0].view(np.float32)
         err = float(np.max(np.abs(chosen - ref[np.arange(B), np.asarray(tok)])))
@@ -145,9 +145,9 @@ def main() -> None:
         plain = greedy & ~pen  # penalties start at zero counts, but the test keeps to the plainest rows
         assert np.array_equal(np.asarray(tok)[plain], lg.argmax(-1)[plain]), "greedy rows differ from argmax"
         assert err < 1e-4, f"chosen logprob off by {err}"
-        old_tok = np.asarray(old_sample(penalties.apply(logits, s, state), s))
+        old_tok = np.asarray(jax.jit(lambda lg, s, st: old_sample(penalties.apply(lg, s, st), s))(logits, s, state))
         tokens_differ = int((old_tok != np.asarray(tok)).sum())  # 0 unless a top-p cut is within float rounding
-        old_ids = np.asarray(old_packed_logprobs(logits, tok))[:, 1:1 + (PACKED_WIDTH - 1) // 2]
+        old_ids = np.asarray(jax.jit(old_packed_logprobs)(logits, tok))[:, 1:1 + (PACKED_WIDTH - 1) // 2]
         assert np.array_equal(old_ids, top_ids), "top-20 ids differ from lax.top_k's"
         print(f"B={B:4d} check: tokens differing old vs new {tokens_differ}/{B}, top-20 ids equal", flush=True)
 
