@@ -393,6 +393,42 @@ def scrape_metrics(url: str, api_key: str | None) -> dict[str, float]:
     return out
 
 
+SERVER_COUNTERS = ("slora_time_to_first_token_seconds_sum", "slora_time_to_first_token_seconds_count",
+                   "slora_generation_tokens_total", "slora_engine_steps")
+
+
+def server_counters(url: str, api_key: str | None) -> dict[str, float]:
+    """The server's running totals a trace's share is taken from: TTFT sum and count (handler arrival to the first
+    token on the event loop), tokens, engine steps, engine-thread host seconds per phase; {} if unreachable."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30,
+                         headers={"Authorization": f"Bearer {api_key}"} if api_key else {}).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'^(\w+)(?:\{phase="(\w+)"\})?\s+(\S+)$', line)
+        if m and (m.group(1) in SERVER_COUNTERS or m.group(1) == "slora_engine_host_seconds"):
+            out[m.group(1) + (f".{m.group(2)}" if m.group(2) else "")] = float(m.group(3))
+    return out
+
+
+def server_share(before: dict, after: dict, elapsed_s: float) -> dict:
+    """What the server saw of one trace: its mean TTFT (so the client's share of ours is the rest), engine steps,
+    the mean step (the GIL the HTTP side takes shows as a longer step than in-process) and host ms per step per
+    phase (compare the in-process run's prefill/decode_host_s: dispatch is Python, it stretches first)."""
+    if not before or not after:
+        return {}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = d.get("slora_engine_steps", 0.0)
+    n = d.get("slora_time_to_first_token_seconds_count", 0.0)
+    return {"ttft_ms_mean": 1e3 * d["slora_time_to_first_token_seconds_sum"] / n if n else None,
+            "steps": steps, "step_ms_mean": 1e3 * elapsed_s / steps if steps else None,
+            "tokens_per_step": d.get("slora_generation_tokens_total", 0.0) / steps if steps else None,
+            "host_ms_per_step": {k.split(".", 1)[1]: round(1e3 * v / steps, 3) for k, v in d.items()
+                                 if k.startswith("slora_engine_host_seconds.") and steps}}
+
+
 def startup_phases(log_text: str) -> dict:
     """The server's own timings from its log (cli.build_engine's lines)."""
     out = {}
@@ -555,11 +591,12 @@ def http_traces(args, pool, url: str, api_key, names: list[str], vocab: int, htt
             print(f"skip {token}: {'no saturation measured' if spec is None else 'budget'}", flush=True)
             continue
         specs[token] = spec
-        t = time.monotonic()
+        t, before = time.monotonic(), server_counters(url, api_key)
         records, clients = run_http_trace(pool, args.client_procs, url, api_key,
                                           trace_requests(make_spec_trace(spec), names, vocab), args.request_timeout_s,
                                           client_kind=args.client)
         res = summarize(spec["name"], records, args.slo_s, clients)
+        res["server"] = server_share(before, server_counters(url, api_key), res["elapsed_s"])
         results.append(res | {"rate": spec["rate"], "spec": spec, "as": token + suffix,
                               "wall_s": time.monotonic() - t})
         sat = res["throughput_req_s"] if token == "sat" and not suffix else sat

@@ -3,6 +3,8 @@ requests the in-process benchmark serves, ask aiperf for our length window, and 
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 import sys
 from pathlib import Path
@@ -89,3 +91,63 @@ def test_latency_figures_from_token_times():
     assert res["throughput_tok_s"] == pytest.approx(sum(r["tokens"] for r in ok) / elapsed)
     assert res["slo_attainment"] == pytest.approx(sum(r["first"] - r["arrival"] <= 0.25 for r in ok) / len(records))
     assert res["errors"] == {"http_503": 1}
+
+
+def _sse_stream(rng, max_tokens: int, error: bool = False) -> tuple[bytes, list[int]]:
+    """A completion stream of random chunking (1-3 tokens a chunk), usage, [DONE]; or one cut by an error event."""
+    ids = rng.integers(0, 32000, max_tokens).tolist()
+    events, i = [], 0
+    while i < len(ids):
+        k = int(rng.integers(1, 4))
+        part, i = ids[i:i + k], i + k
+        fin = "length" if i >= len(ids) else None
+        events.append({"id": "c", "object": "text_completion", "created": 1, "model": "m",
+                       "choices": [{"index": 0, "text": "x" * len(part), "logprobs": None, "finish_reason": fin,
+                                    "token_ids": part}]})
+        if error and len(events) == 2:
+            events.append({"error": {"message": "engine step failed", "type": "server_error", "code": 500}})
+            break
+    events.append({"id": "c", "object": "text_completion", "created": 1, "model": "m", "choices": [],
+                   "usage": {"prompt_tokens": 3, "completion_tokens": max_tokens, "total_tokens": max_tokens + 3}})
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n", ids
+
+
+@pytest.mark.parametrize("error", [False, True])
+def test_httpx_and_openai_clients_read_a_stream_alike(error):
+    """Our plain httpx reader (timed traces) and the openai client (the check) take the same tokens, ending and usage
+    from one stream, split into network reads at random points."""
+    import httpx
+    import openai
+
+    rng = np.random.default_rng()
+    max_tokens = int(rng.integers(4, 40))
+    payload, ids = _sse_stream(rng, max_tokens, error)
+    cuts = sorted(rng.choice(np.arange(1, len(payload)), size=min(10, len(payload) - 1), replace=False).tolist())
+
+    async def body():
+        for a, b in zip([0, *cuts], [*cuts, len(payload)], strict=True):
+            yield payload[a:b]
+
+    def handler(request):
+        sent = json.loads(request.content)
+        assert sent["prompt"] == [5, 6, 7] and sent["max_tokens"] == max_tokens and sent["ignore_eos"]
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+    req = http_serving.HttpRequest(0.0, "m", [5, 6, 7], max_tokens)
+
+    async def both():
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        ours = await http_serving.stream_request(http, "http://x", None, 0, req, 0.0)
+        client = openai.AsyncOpenAI(base_url="http://x/v1", api_key="k", http_client=http, max_retries=0)
+        theirs = await http_serving._one(client, 0, req, 0.0)
+        return ours, theirs
+
+    ours, theirs = asyncio.run(both())
+    if error:
+        assert ours["error"] == theirs["error"] == "stream_error"
+        return
+    for rec in (ours, theirs):
+        assert rec["error"] is None, rec.get("detail")
+        assert rec["tokens"] == rec["usage"] == max_tokens and rec["finish"] == "length"
+    assert sum(k for _, k in ours["gaps"]) == sum(k for _, k in theirs["gaps"]) == max_tokens - len(
+        json.loads(payload.split(b"\n\n")[0][6:])["choices"][0]["token_ids"])

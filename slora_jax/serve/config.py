@@ -52,6 +52,10 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0  # on SIGTERM, how long running requests may take to finish
     tokenizer_threads: int = 4  # tokenization and chat templating run here, never on the event loop
     tenant_header: str = DEFAULT_TENANT_HEADER  # request header naming whose service a request counts towards
+    # how long a thread may hold the GIL while another waits for it (``sys.setswitchinterval``; None: Python's 5 ms).
+    # The engine thread gives the GIL up at every device wait; with the event loop busy streaming it then waited up
+    # to the whole interval each time to get it back, so the step loop slowed with the HTTP load
+    gil_switch_interval_s: float | None = 0.0005
 
     def __post_init__(self) -> None:
         check_api_key(self.api_key)
@@ -61,6 +65,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.max_prompt_chars is not None and self.max_prompt_chars <= 0:
             raise ValueError(f"max_prompt_chars must be positive, got {self.max_prompt_chars!r}")
+        if self.gil_switch_interval_s is not None and not 0 < self.gil_switch_interval_s <= 0.1:
+            raise ValueError(f"gil_switch_interval_s must be in (0, 0.1], got {self.gil_switch_interval_s!r}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s!r}")
 

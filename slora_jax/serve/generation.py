@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -59,6 +60,17 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
+def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Each engine request's outputs in ``outputs`` joined into one, in order of first appearance: their tokens and
+    text in order, the last one's ending. For outputs without logprobs."""
+    parts: dict[str, list[RequestOutput]] = {}
+    for out in outputs:
+        parts.setdefault(out.request_id, []).append(out)
+    return [outs[0] if len(outs) == 1 else dataclasses.replace(
+        outs[-1], new_token_ids=[t for o in outs for t in o.new_token_ids], text="".join(o.text for o in outs))
+        for outs in parts.values()]
+
+
 class Generation:
     """The state of one request's answer: its choices so far (text, tokens, how each ended) and latency metrics."""
 
@@ -80,6 +92,9 @@ class Generation:
         self.logprobs = {c.index: ChoiceLogprobs(prepared.kind, texts, prepared.prompt_ids)
                          for c in self.choices} if asked else {}
         self.echo_pending = {c.index for c in self.choices} if prepared.echo_text is not None else set()
+        # outputs that queued up may be joined before they are read: not with stop strings (the tokens after a
+        # match must be dropped one output at a time) nor logprobs (kept per output)
+        self._mergeable = not sp.stop and not self.logprobs
         self.created = int(time.time())
         self.template = ChunkTemplate(prepared.kind, rid, prepared.model, self.created)
         self.first_token = False
@@ -214,7 +229,10 @@ class Generation:
                 # the outputs that arrived while this request waited for the loop go out together: one event per
                 # choice, so a loop that fell behind catches up instead of falling further behind
                 gathered: dict[int, tuple[list[str], list[int]]] = {}
-                for out in (first, *self.stream.take_ready()):
+                batch = [first, *self.stream.take_ready()]
+                if len(batch) > 1 and self._mergeable:  # detokenized and counted once per chunk, not per token
+                    batch = merge_outputs(batch)
+                for out in batch:
                     was_done = self._by_request[out.request_id].done
                     c, text = self._record(out)
                     if was_done:

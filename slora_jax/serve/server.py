@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 
@@ -123,8 +124,15 @@ class Server:
             self._uvicorn.should_exit = True
 
     # ---------------------------------------------------------------- running
+    def _set_switch_interval(self) -> None:
+        """The process's GIL switch interval (``ServerConfig.gil_switch_interval_s``): process-wide, set once the
+        server serves, as the engine thread and the event loop share the one GIL."""
+        if self.config.gil_switch_interval_s is not None:
+            sys.setswitchinterval(self.config.gil_switch_interval_s)
+
     def run(self) -> None:
         """Serve in the foreground until a signal has drained the server."""
+        self._set_switch_interval()
         self.engine_thread.start()
         try:
             self._uvicorn.run()
@@ -133,6 +141,7 @@ class Server:
 
     def start_background(self, timeout: float = 60.0) -> str:
         """Serve from a daemon thread; returns the base URL once the socket accepts connections."""
+        self._set_switch_interval()
         self.engine_thread.start()
         self._thread = threading.Thread(target=self._uvicorn.run, name="slora-uvicorn", daemon=True)
         self._thread.start()
