@@ -306,7 +306,8 @@ def run_server_bench(args) -> dict:
         "engine_thread_cpu_ms_per_step": 1e3 * (eng1 - eng0) / max(steps, 1),
         "server_process_us_per_token": 1e6 * (proc1 - proc0) / max(toks, 1),
         "client": args.client, "client_errors": sum(c.get("errors", 0) for c in clients),
-        "client_chunks": chunks, "tokens_per_chunk": engine.tokens / max(chunks, 1),  # whole run: >1 = coalesced "client_cpu_us_per_chunk": 1e6 * sum(c["cpu_s"] for c in clients) / max(chunks, 1),
+        "client_chunks": chunks, "tokens_per_chunk": engine.tokens / max(chunks, 1),  # whole run: >1 = coalesced
+        "client_cpu_us_per_chunk": 1e6 * sum(c["cpu_s"] for c in clients) / max(chunks, 1),
         "switch_interval_ms": 1e3 * sys.getswitchinterval(),
     }
 
