@@ -131,7 +131,8 @@ def run_aiperf(url: str, requests, spec: dict, mode: str, tokenizer: str, artifa
 
 
 def main() -> None:
-    from http_serving import make_spec_trace, served_models, trace_requests, trace_spec
+    from http_server_probe import served_models
+    from http_serving import make_spec_trace, trace_requests, trace_spec
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", required=True)

@@ -14,7 +14,7 @@ holds. On the H200 (Llama-2-7B, batch 256) a step is ~13.6 ms of which ~6.3 ms i
 ``decode_host_s``), so a loop cost of c us per token takes 256 c us of GIL per step.
 
 ``client``: CPU per streamed chunk of a client: the ``openai`` client (as ``http_serving.py`` used it) and the plain
-httpx SSE reader of ``http_serving.py``, each reading the same chunks from an in-memory transport (no server).
+httpx SSE reader of ``http_client.py``, each reading the same chunks from an in-memory transport (no server).
 """
 
 from __future__ import annotations
@@ -236,9 +236,9 @@ async def _count_streams(url: str, n: int, max_tokens: int, prompt_len: int, voc
 
 async def _replay_streams(url: str, n: int, max_tokens: int, prompt_len: int, vocab: int, adapters: list[str],
                           until: float, kind: str) -> dict:
-    """``n`` streams at a time through ``http_serving.replay`` (its httpx or openai client), rounds until ``until``."""
+    """``n`` streams at a time through ``http_client.replay`` (its httpx or openai client), rounds until ``until``."""
     sys.path.insert(0, str(BENCH))
-    from http_serving import HttpRequest, replay
+    from http_client import HttpRequest, replay
 
     rng = np.random.default_rng()
     counts = {"chunks": 0, "requests": 0, "cpu_s": 0.0, "errors": 0}
@@ -336,7 +336,7 @@ def run_client_bench(args) -> dict:
     import openai
 
     sys.path.insert(0, str(BENCH))
-    from http_serving import HttpRequest, stream_request
+    from http_client import HttpRequest, stream_request
 
     per_stream = args.tokens_per_stream
     streams = max(1, args.chunks // per_stream)
@@ -390,7 +390,7 @@ def main(argv=None) -> int:
     s.add_argument("--prompt-len", type=int, default=64)
     s.add_argument("--client-procs", type=int, default=1)
     s.add_argument("--client", default="raw", choices=["raw", "httpx", "openai"],
-                   help="raw: a byte counter (the server is measured); httpx / openai: http_serving.py's clients")
+                   help="raw: a byte counter (the server is measured); httpx / openai: http_client.py's clients")
     s.add_argument("--seconds", type=float, default=10.0)
     s.add_argument("--warmup-s", type=float, default=3.0)
     s.add_argument("--pipelined", action="store_true",

@@ -1,5 +1,6 @@
-"""The S-LoRA traces of ``serving.py`` through a real ``python -m slora_jax.serve``, streamed with the ``openai`` async
-client, beside the in-process engine on the same trace and NVIDIA aiperf on the same server (issue 13).
+"""The S-LoRA traces of ``serving.py`` through a real ``python -m slora_jax.serve``, streamed (``http_client``: plain
+httpx for the timed traces, the ``openai`` async client for the warm-up, as a check), beside the in-process engine on
+the same trace and NVIDIA aiperf on the same server (issue 13).
 
     PYTHONPATH=. python benchmarks/http_serving.py --tiny --out http_cpu.json             # embedded demo, CPU
     PYTHONPATH=. python benchmarks/http_serving.py --preset llama-2-7b --n-adapters 2000 --aiperf --out http.json
@@ -11,7 +12,9 @@ the seeds of ``serving.py``: ``sat`` sends ``--requests`` at 1000 req/s, a numbe
 ``x0.7`` is 0.7 times the saturation measured over HTTP in this run. The token-id prompts are the ones
 ``serving.run_trace`` draws, so the in-process engine (built by the server's own ``build_engine`` in a child process
 after the server has exited, with the server's pool size) serves exactly the same requests. Clients run in
-``--client-procs`` processes so the client is not what saturates; their CPU share and event-loop lag are reported.
+``--client-procs`` processes so the client is not what saturates; their CPU share and event-loop lag are reported,
+and each trace's share of the server's own counters (``http_server_probe.server_share``). ``--rates-again`` repeats
+traces after aiperf (order effects: ours runs first on a server whose host adapter tier is cold).
 
 TTFT is first token minus scheduled arrival; ``itl_ms`` is the per-token gap (a chunk of k tokens after a gap g counts
 k gaps of g/k, as the server's histogram); ``tpot_ms`` is per request (last - first token) / (tokens - 1), the
@@ -21,39 +24,35 @@ figure aiperf calls inter-token latency. SLO attainment: share of all requests w
 from __future__ import annotations
 
 import argparse
-import asyncio
-import collections
-import dataclasses
 import datetime
 import importlib.util
 import json
 import multiprocessing
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 from aiperf_run import run_aiperf  # run as python benchmarks/http_serving.py: benchmarks/ is on the path
 from common import git_commit
+from http_client import HttpRequest, client_init, run_http_trace, summarize
+from http_server_probe import (
+    kill_own_servers,
+    scrape_metrics,
+    served_models,
+    server_counters,
+    server_share,
+    startup_phases,
+)
 from soak import ServerProcess, device_info
 from workload import make_trace
 
 SAT_RATE = 1000.0  # requests/s of a saturation trace (serving.py's)
 WARM_ADAPTERS = 4  # the untimed warm-up trace uses the 4 least popular adapters (serving.py's warm trace: 16 requests)
 BENCH = Path(__file__).resolve().parent
-
-
-@dataclasses.dataclass(frozen=True)
-class HttpRequest:
-    arrival: float
-    adapter: str
-    prompt_ids: list[int]
-    max_tokens: int
 
 
 def trace_requests(trace, adapter_names: list[str], vocab: int) -> list[HttpRequest]:
@@ -71,205 +70,6 @@ def trace_spec(name: str, n: int, rate: float, num: int, seed: int, in_range, ou
 def make_spec_trace(spec: dict):
     return make_trace(spec["n"], spec["rate"], spec["num"], alpha=1.0, cv=1.0, in_range=tuple(spec["in_range"]),
                       out_range=tuple(spec["out_range"]), seed=spec["seed"])
-
-
-# ---------------------------------------------------------------- the client (one event loop per process)
-
-
-def _new_record(i: int, r: HttpRequest, t0: float) -> dict:
-    return {"i": i, "arrival": r.arrival, "sent": time.monotonic() - t0, "first": None, "end": None, "tokens": 0,
-            "usage": None, "finish": None, "error": None, "gaps": []}
-
-
-def _take_chunk(rec: dict, chunk: dict, now: float, last: float | None) -> float | None:
-    """Account one parsed stream chunk (a dict) at time ``now``; returns the time of the last token seen."""
-    if chunk.get("usage"):
-        rec["usage"] = chunk["usage"].get("completion_tokens")
-    for c in chunk.get("choices") or ():
-        k = len(c.get("token_ids") or ())
-        if k:
-            if last is None:
-                rec["first"] = now
-            else:
-                rec["gaps"].append(((now - last) / k, k))
-            last = now
-            rec["tokens"] += k
-        if c.get("finish_reason") is not None:
-            rec["finish"], rec["end"] = c["finish_reason"], now
-    return last
-
-
-def _check_record(rec: dict, r: HttpRequest) -> dict:
-    if rec["error"] is None:
-        if rec["finish"] != "length" or rec["first"] is None:
-            rec["error"] = f"finish_{rec['finish']}"
-        elif rec["tokens"] != r.max_tokens or rec["usage"] not in (None, rec["tokens"]):
-            rec["error"], rec["detail"] = "token_count", f"{rec['tokens']} streamed, usage {rec['usage']}"
-    return rec
-
-
-def _request_body(r: HttpRequest) -> dict:
-    return {"model": r.adapter, "prompt": r.prompt_ids, "max_tokens": r.max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True}
-
-
-async def stream_request(http, url: str, api_key: str | None, i: int, r: HttpRequest, t0: float) -> dict:
-    """One request streamed with plain httpx: server-sent events split on blank lines, each ``json.loads``-ed.
-    The openai client builds a pydantic object per chunk (~300 us of CPU per chunk on the H200 host, measured from
-    the clients' CPU share in the 2026-12-01 run): at batch 256 that is several cores of client for one server."""
-    await asyncio.sleep(max(0.0, t0 + r.arrival - time.monotonic()))
-    rec, last = _new_record(i, r, t0), None
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        async with http.stream("POST", f"{url}/v1/completions", json=_request_body(r), headers=headers) as resp:
-            if resp.status_code != 200:
-                rec["error"], rec["detail"] = f"http_{resp.status_code}", (await resp.aread())[:300].decode(
-                    "utf-8", "replace")
-                return rec
-            buf = b""
-            async for data in resp.aiter_bytes():
-                now = time.monotonic() - t0
-                *events, buf = (buf + data).split(b"\n\n")
-                for ev in events:
-                    if not ev.startswith(b"data: ") or ev == b"data: [DONE]":
-                        continue
-                    chunk = json.loads(ev[6:])
-                    if "error" in chunk:
-                        rec["error"], rec["detail"] = "stream_error", str(chunk["error"])[:300]
-                        return rec
-                    last = _take_chunk(rec, chunk, now, last)
-    except Exception as e:  # noqa: BLE001 (counted by kind, never raised: one request must not stop the trace)
-        name = type(e).__name__
-        kind = "timeout" if "Timeout" in name else "connection" if ("Connect" in name or "Protocol" in name
-                                                                    or "ReadError" in name) else name
-        rec["error"], rec["detail"] = kind, str(e)[:300]
-    return _check_record(rec, r)
-
-
-async def _one(client, i: int, r: HttpRequest, t0: float) -> dict:
-    """One request through the ``openai`` async client (the user's client; a correctness check of our stream)."""
-    import openai
-
-    await asyncio.sleep(max(0.0, t0 + r.arrival - time.monotonic()))
-    rec, last = _new_record(i, r, t0), None
-    try:
-        stream = await client.completions.create(
-            model=r.adapter, prompt=r.prompt_ids, max_tokens=r.max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
-        async with stream:
-            async for chunk in stream:
-                last = _take_chunk(rec, chunk.model_dump(), time.monotonic() - t0, last)
-    except openai.APIStatusError as e:
-        rec["error"], rec["detail"] = f"http_{e.status_code}", str(e)[:300]
-    except openai.APITimeoutError as e:
-        rec["error"], rec["detail"] = "timeout", str(e)[:300]
-    except openai.APIConnectionError as e:
-        rec["error"], rec["detail"] = "connection", str(e)[:300]
-    except openai.APIError as e:  # an error event in the stream
-        rec["error"], rec["detail"] = "stream_error", str(e)[:300]
-    except Exception as e:  # noqa: BLE001 (counted by kind, never raised: one request must not stop the trace)
-        rec["error"], rec["detail"] = type(e).__name__, str(e)[:300]
-    return _check_record(rec, r)
-
-
-async def replay(url: str, api_key: str | None, reqs: list[tuple[int, HttpRequest]], t0: float,
-                 timeout_s: float, client_kind: str = "httpx") -> dict:
-    """Send ``reqs`` at ``t0`` + their arrival (``time.monotonic`` clock, shared by processes) and stream them,
-    with plain httpx (``client_kind`` "httpx") or the ``openai`` client ("openai")."""
-    import openai
-
-    try:  # the HTTP library this openai release is built on (httpx2 from openai 3.x), else httpx
-        import httpx2 as hx
-    except ImportError:
-        hx = httpx
-    limits = hx.Limits(max_connections=None, max_keepalive_connections=None)  # the pool must never queue us
-    http = hx.AsyncClient(limits=limits, timeout=hx.Timeout(timeout_s, connect=60.0))
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "unused", http_client=http, max_retries=0)
-    lags, running = [], True
-
-    async def ticker(period=0.005):  # how late the loop wakes up: a busy client shows here first
-        while running:
-            t = time.monotonic()
-            await asyncio.sleep(period)
-            lags.append(time.monotonic() - t - period)
-
-    cpu0, wall0 = time.process_time(), time.monotonic()
-    tick = asyncio.ensure_future(ticker())
-    if client_kind == "openai":
-        records = await asyncio.gather(*(_one(client, i, r, t0) for i, r in reqs))
-    else:
-        records = await asyncio.gather(*(stream_request(http, url, api_key, i, r, t0) for i, r in reqs))
-    running = False
-    await tick
-    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
-    await client.close()
-    busy_wall = max(wall - max(0.0, t0 - wall0), 1e-9)  # from the trace start, not from when the process woke
-    chunks = sum(len(rec["gaps"]) + (rec["first"] is not None) for rec in records)
-    return {"records": records, "client": client_kind, "cpu_frac": cpu / busy_wall,
-            "cpu_us_per_chunk": 1e6 * cpu / max(chunks, 1),
-            "loop_lag_ms_p99": float(np.percentile(lags, 99) * 1e3) if lags else None,
-            "loop_lag_ms_max": float(max(lags) * 1e3) if lags else None}
-
-
-def _client_init() -> None:
-    import openai  # noqa: F401 (imported once per process, before any trace starts)
-
-
-def _replay_in_process(job) -> dict:
-    try:
-        import uvloop
-
-        return uvloop.run(replay(*job))
-    except ImportError:
-        return asyncio.run(replay(*job))
-
-
-def run_http_trace(pool, procs: int, url: str, api_key, reqs: list[HttpRequest], timeout_s: float,
-                   lead_s: float = 1.0, client_kind: str = "httpx") -> tuple[list[dict], list[dict]]:
-    """Split the trace round-robin over ``procs`` client processes that share one start time."""
-    t0 = time.monotonic() + lead_s
-    jobs = [(url, api_key, [(i, r) for i, r in enumerate(reqs) if i % procs == p], t0, timeout_s, client_kind)
-            for p in range(procs)]
-    outs = pool.map(_replay_in_process, jobs, chunksize=1)
-    records = sorted((rec for o in outs for rec in o["records"]), key=lambda d: d["i"])
-    return records, [{k: v for k, v in o.items() if k != "records"} for o in outs]
-
-
-# ---------------------------------------------------------------- figures
-
-
-def dist(values, scale: float = 1.0) -> dict | None:
-    if len(values) == 0:
-        return None
-    v = np.asarray(values, dtype=np.float64) * scale
-    return {"mean": float(v.mean()), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
-            "p99": float(np.percentile(v, 99)), "max": float(v.max())}
-
-
-def summarize(name: str, records: list[dict], slo_s: float, clients: list[dict] | None = None) -> dict:
-    ok = [r for r in records if r["error"] is None]
-    elapsed = max((r["end"] for r in ok), default=0.0)  # from the trace start (the first arrival)
-    toks = sum(r["tokens"] for r in ok)
-    ttft = [r["first"] - r["arrival"] for r in ok]
-    gaps = [g for r in ok for g, k in r["gaps"] for _ in range(k)]
-    tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
-    errors = collections.Counter(r["error"] for r in records if r["error"])
-    examples = {}
-    for r in records:
-        if r["error"] and r["error"] not in examples:
-            examples[r["error"]] = r.get("detail")
-    return {
-        "trace": name, "requests": len(records), "finished": len(ok), "elapsed_s": elapsed,
-        "throughput_req_s": len(ok) / elapsed if elapsed else 0.0,
-        "throughput_tok_s": toks / elapsed if elapsed else 0.0,
-        "mean_first_token_s": float(np.mean(ttft)) if ttft else None,
-        "mean_latency_s": float(np.mean([r["end"] - r["arrival"] for r in ok])) if ok else None,
-        "slo_attainment": sum(t <= slo_s for t in ttft) / max(len(records), 1),
-        "ttft_ms": dist(ttft, 1e3), "itl_ms": dist(gaps, 1e3), "tpot_ms": dist(tpot, 1e3),
-        "e2e_s": dist([r["end"] - r["arrival"] for r in ok]),
-        "send_lag_ms": dist([r["sent"] - r["arrival"] for r in records], 1e3),
-        "errors": dict(errors), "error_examples": examples, "clients": clients or [],
-    }
 
 
 # ---------------------------------------------------------------- model and adapters a user would bring
@@ -373,99 +173,6 @@ def run_in_process(server_args: list[str], specs: list[dict], names: list[str], 
     if proc.returncode != 0 or not out_path.exists():
         return {"error": f"exit {proc.returncode}", "log_tail": log.read_text(errors="replace")[-3000:]}
     return json.loads(out_path.read_text())
-
-
-# ---------------------------------------------------------------- the server
-
-
-def scrape_metrics(url: str, api_key: str | None) -> dict[str, float]:
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=30,
-                         headers={"Authorization": f"Bearer {api_key}"} if api_key else {}).text
-    except httpx.HTTPError as e:
-        return {"error": repr(e)}
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r"^(\w+)(\{[^}]*\})?\s+(\S+)$", line)
-        if m and re.match(r"slora_(requests|compiles|pool_pages|adapter_store|engine_step_failures)", m.group(1)) \
-                and not m.group(1).endswith("_created"):
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
-
-
-SERVER_COUNTERS = ("slora_time_to_first_token_seconds_sum", "slora_time_to_first_token_seconds_count",
-                   "slora_generation_tokens_total", "slora_engine_steps")
-
-
-def server_counters(url: str, api_key: str | None) -> dict[str, float]:
-    """The server's running totals a trace's share is taken from: TTFT sum and count (handler arrival to the first
-    token on the event loop), tokens, engine steps, engine-thread host seconds per phase; {} if unreachable."""
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=30,
-                         headers={"Authorization": f"Bearer {api_key}"} if api_key else {}).text
-    except httpx.HTTPError:
-        return {}
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r'^(\w+)(?:\{phase="(\w+)"\})?\s+(\S+)$', line)
-        if m and (m.group(1) in SERVER_COUNTERS or m.group(1) == "slora_engine_host_seconds"):
-            out[m.group(1) + (f".{m.group(2)}" if m.group(2) else "")] = float(m.group(3))
-        m = re.match(r'^slora_adapter_load_seconds_(sum|count)\{.*stage="(\w+)".*\}\s+(\S+)$', line)
-        if m:  # summed over the adapters: loads that a first token may have waited for
-            key = f"adapter_load_{m.group(1)}.{m.group(2)}"
-            out[key] = out.get(key, 0.0) + float(m.group(3))
-    return out
-
-
-def server_share(before: dict, after: dict, elapsed_s: float) -> dict:
-    """What the server saw of one trace: its mean TTFT (so the client's share of ours is the rest), engine steps,
-    the mean step (the GIL the HTTP side takes shows as a longer step than in-process) and host ms per step per
-    phase (compare the in-process run's prefill/decode_host_s: dispatch is Python, it stretches first)."""
-    if not before or not after:
-        return {}
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    steps = d.get("slora_engine_steps", 0.0)
-    n = d.get("slora_time_to_first_token_seconds_count", 0.0)
-    stages = [k.split(".", 1)[1] for k, v in d.items() if k.startswith("adapter_load_count.") and v]
-    return {"ttft_ms_mean": 1e3 * d["slora_time_to_first_token_seconds_sum"] / n if n else None,
-            "steps": steps, "step_ms_mean": 1e3 * elapsed_s / steps if steps else None,
-            "tokens_per_step": d.get("slora_generation_tokens_total", 0.0) / steps if steps else None,
-            "host_ms_per_step": {k.split(".", 1)[1]: round(1e3 * v / steps, 3) for k, v in d.items()
-                                 if k.startswith("slora_engine_host_seconds.") and steps},
-            "adapter_loads": {stage: {"n": d[f"adapter_load_count.{stage}"],
-                                      "ms_mean": 1e3 * d.get(f"adapter_load_sum.{stage}", 0.0)
-                                      / d[f"adapter_load_count.{stage}"]} for stage in stages}}
-
-
-def startup_phases(log_text: str) -> dict:
-    """The server's own timings from its log (cli.build_engine's lines)."""
-    out = {}
-    pats = {"weights_and_pool_s": r"weights loaded and pool allocated in ([\d.]+) s",
-            "pool_pages": r"pool: (\d+) pages of", "pool_gib": r"pages of \d+ tokens \(([\d.]+) GiB\)",
-            "adapters_registered_s": r"adapters registered in ([\d.]+) s",
-            "warmup_compiles": r"warm-up: (\d+) compiles", "warmup_cache_hits": r"\((\d+) from the compilation cache\)",
-            "warmup_s": r"from the compilation cache\) in ([\d.]+) s", "ready_s": r"ready in ([\d.]+) s after start"}
-    for key, pat in pats.items():
-        m = re.search(pat, log_text)
-        if m:
-            out[key] = float(m.group(1))
-    return out
-
-
-def kill_own_servers() -> None:
-    """End the server this process started when its start failed (ServerProcess raised before handing it back)."""
-    import psutil
-
-    for child in psutil.Process().children():
-        if "slora_jax.serve" in " ".join(child.cmdline()):
-            child.kill()
-
-
-def served_models(url: str, api_key: str | None) -> tuple[str, list[str], int]:
-    r = httpx.get(f"{url}/v1/models", timeout=60, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    data = r.json()["data"]
-    base = next(m["id"] for m in data if m["parent"] is None)
-    return base, sorted(m["id"] for m in data if m["parent"] is not None), data[0]["max_model_len"]
 
 
 # ---------------------------------------------------------------- main
@@ -657,7 +364,7 @@ def main(argv=None) -> int:
     if srv.port is None:
         server_args += ["--port", "0"]
     report.update(server_args=server_args, model_dir=str(model_dir), adapter_dirs=[str(d) for d in adapter_dirs])
-    pool = multiprocessing.get_context("spawn").Pool(args.client_procs, initializer=_client_init)
+    pool = multiprocessing.get_context("spawn").Pool(args.client_procs, initializer=client_init)
     proc, specs = None, {}
     try:
         if args.url:

@@ -19,6 +19,7 @@ import transformers  # noqa: F401
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 import aiperf_run  # noqa: E402
+import http_client  # noqa: E402
 import http_serving  # noqa: E402
 import serving  # noqa: E402
 from workload import make_trace  # noqa: E402
@@ -79,7 +80,7 @@ def test_latency_figures_from_token_times():
                         "end": float(times[-1]), "tokens": int(k.sum()), "error": None, "gaps": gaps})
     records.append({"i": 99, "arrival": 1.0, "sent": 1.0, "first": None, "end": None, "tokens": 0,
                     "error": "http_503", "gaps": []})
-    res = http_serving.summarize("t", records, slo_s=0.25)
+    res = http_client.summarize("t", records, slo_s=0.25)
     ok = records[:-1]
     per_token = np.concatenate([np.full(k, g) for r in ok for g, k in r["gaps"]])
     assert res["itl_ms"]["mean"] == pytest.approx(per_token.mean() * 1e3)
@@ -133,13 +134,13 @@ def test_httpx_and_openai_clients_read_a_stream_alike(error):
         assert sent["prompt"] == [5, 6, 7] and sent["max_tokens"] == max_tokens and sent["ignore_eos"]
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
 
-    req = http_serving.HttpRequest(0.0, "m", [5, 6, 7], max_tokens)
+    req = http_client.HttpRequest(0.0, "m", [5, 6, 7], max_tokens)
 
     async def both():
         http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        ours = await http_serving.stream_request(http, "http://x", None, 0, req, 0.0)
+        ours = await http_client.stream_request(http, "http://x", None, 0, req, 0.0)
         client = openai.AsyncOpenAI(base_url="http://x/v1", api_key="k", http_client=http, max_retries=0)
-        theirs = await http_serving._one(client, 0, req, 0.0)
+        theirs = await http_client.openai_request(client, 0, req, 0.0)
         return ours, theirs
 
     ours, theirs = asyncio.run(both())

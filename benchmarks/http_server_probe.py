@@ -1,0 +1,101 @@
+"""What ``http_serving.py`` reads from a running slora-jax server: its models, its Prometheus counters (the whole
+run's, and the share of one trace: server-side TTFT, engine steps and host time per phase, adapter loads), and the
+start-up phases from its log."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+
+# ---------------------------------------------------------------- the server
+
+
+def scrape_metrics(url: str, api_key: str | None) -> dict[str, float]:
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30,
+                         headers={"Authorization": f"Bearer {api_key}"} if api_key else {}).text
+    except httpx.HTTPError as e:
+        return {"error": repr(e)}
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(\w+)(\{[^}]*\})?\s+(\S+)$", line)
+        if m and re.match(r"slora_(requests|compiles|pool_pages|adapter_store|engine_step_failures)", m.group(1)) \
+                and not m.group(1).endswith("_created"):
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+SERVER_COUNTERS = ("slora_time_to_first_token_seconds_sum", "slora_time_to_first_token_seconds_count",
+                   "slora_generation_tokens_total", "slora_engine_steps")
+
+
+def server_counters(url: str, api_key: str | None) -> dict[str, float]:
+    """The server's running totals a trace's share is taken from: TTFT sum and count (handler arrival to the first
+    token on the event loop), tokens, engine steps, engine-thread host seconds per phase; {} if unreachable."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30,
+                         headers={"Authorization": f"Bearer {api_key}"} if api_key else {}).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'^(\w+)(?:\{phase="(\w+)"\})?\s+(\S+)$', line)
+        if m and (m.group(1) in SERVER_COUNTERS or m.group(1) == "slora_engine_host_seconds"):
+            out[m.group(1) + (f".{m.group(2)}" if m.group(2) else "")] = float(m.group(3))
+        m = re.match(r'^slora_adapter_load_seconds_(sum|count)\{.*stage="(\w+)".*\}\s+(\S+)$', line)
+        if m:  # summed over the adapters: loads that a first token may have waited for
+            key = f"adapter_load_{m.group(1)}.{m.group(2)}"
+            out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
+def server_share(before: dict, after: dict, elapsed_s: float) -> dict:
+    """What the server saw of one trace: its mean TTFT (so the client's share of ours is the rest), engine steps,
+    the mean step (the GIL the HTTP side takes shows as a longer step than in-process) and host ms per step per
+    phase (compare the in-process run's prefill/decode_host_s: dispatch is Python, it stretches first)."""
+    if not before or not after:
+        return {}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = d.get("slora_engine_steps", 0.0)
+    n = d.get("slora_time_to_first_token_seconds_count", 0.0)
+    stages = [k.split(".", 1)[1] for k, v in d.items() if k.startswith("adapter_load_count.") and v]
+    return {"ttft_ms_mean": 1e3 * d["slora_time_to_first_token_seconds_sum"] / n if n else None,
+            "steps": steps, "step_ms_mean": 1e3 * elapsed_s / steps if steps else None,
+            "tokens_per_step": d.get("slora_generation_tokens_total", 0.0) / steps if steps else None,
+            "host_ms_per_step": {k.split(".", 1)[1]: round(1e3 * v / steps, 3) for k, v in d.items()
+                                 if k.startswith("slora_engine_host_seconds.") and steps},
+            "adapter_loads": {stage: {"n": d[f"adapter_load_count.{stage}"],
+                                      "ms_mean": 1e3 * d.get(f"adapter_load_sum.{stage}", 0.0)
+                                      / d[f"adapter_load_count.{stage}"]} for stage in stages}}
+
+
+def startup_phases(log_text: str) -> dict:
+    """The server's own timings from its log (cli.build_engine's lines)."""
+    out = {}
+    pats = {"weights_and_pool_s": r"weights loaded and pool allocated in ([\d.]+) s",
+            "pool_pages": r"pool: (\d+) pages of", "pool_gib": r"pages of \d+ tokens \(([\d.]+) GiB\)",
+            "adapters_registered_s": r"adapters registered in ([\d.]+) s",
+            "warmup_compiles": r"warm-up: (\d+) compiles", "warmup_cache_hits": r"\((\d+) from the compilation cache\)",
+            "warmup_s": r"from the compilation cache\) in ([\d.]+) s", "ready_s": r"ready in ([\d.]+) s after start"}
+    for key, pat in pats.items():
+        m = re.search(pat, log_text)
+        if m:
+            out[key] = float(m.group(1))
+    return out
+
+
+def kill_own_servers() -> None:
+    """End the server this process started when its start failed (ServerProcess raised before handing it back)."""
+    import psutil
+
+    for child in psutil.Process().children():
+        if "slora_jax.serve" in " ".join(child.cmdline()):
+            child.kill()
+
+
+def served_models(url: str, api_key: str | None) -> tuple[str, list[str], int]:
+    r = httpx.get(f"{url}/v1/models", timeout=60, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    data = r.json()["data"]
+    base = next(m["id"] for m in data if m["parent"] is None)
+    return base, sorted(m["id"] for m in data if m["parent"] is not None), data[0]["max_model_len"]
