@@ -125,10 +125,11 @@ PALLAS_TRITON_UNFUSED = dataclasses.replace(PALLAS_TRITON, name="pallas-triton-u
 # so this package imports where jax lacks it. 'auto' picks per shape at trace time: Mosaic where it runs (a CUDA GPU
 # of compute capability 9.x, bf16/f16 pool, head_dim 64/128, page_size >= its MIN_PAGE_SIZE, not interpret mode) and
 # the call has at least MOSAIC_PREFILL_MIN_ROWS query rows, else Triton. The "pallas" alias takes
-# ATTENTION_PREFILL_IMPL: 'auto' since the H200 timed the fixed kernel (2026-12-01, jax 0.11.2, same errors as Triton):
-# 16k rows 4.33 ms vs Triton 8.10, 4k 0.64 vs 0.79, 4x4k 1.41 vs 2.47. Below 2048 rows it is untimed, so Triton.
+# ATTENTION_PREFILL_IMPL, which stays 'triton'. Alone, the fixed kernel is right on the H200 and faster (2026-12-01,
+# jax 0.11.2: 16k rows 4.33 ms vs Triton 8.10, 4k 0.64 vs 0.79), but inside the 7B engine step its custom call
+# refused its first operand: "Input buffer 0 is not 256-byte aligned" (XLA placed q at an offset in a temp buffer).
 PREFILL_IMPLS = ("triton", "mosaic", "auto")
-ATTENTION_PREFILL_IMPL = "auto"
+ATTENTION_PREFILL_IMPL = "triton"
 MOSAIC_PREFILL_MIN_ROWS = 2048
 
 
