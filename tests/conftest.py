@@ -71,3 +71,24 @@ def make_store(tiny_cfg):
     """Makes small adapter stores for a test and closes them all after it."""
     with StoreMaker(tiny_cfg) as make:
         yield make
+
+
+# The GPU suite (`.ci/gpu-suite`, pytest-xdist `--dist loadgroup`): one group per test file, so a file's fixtures are
+# built once, except the kernel files, whose compiled GPU cases take 90-240 s per test function on the H200 and bound
+# the whole run when a file is one unit (390 s with `loadfile`): their tests are groups of their own. Those groups go
+# first, so no long one starts last. Without xdist's loadgroup (CI, a plain run) nothing changes.
+SPLIT_FOR_XDIST = ("test_attention_kernels.py", "test_lora_fused.py", "test_lora_kernels.py",
+                   "test_mosaic_prefill_attention.py", "test_parallel_warmup.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the marks into node ids
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("loadgroup", default=False):
+        return
+    split = [i for i in items if i.nodeid.split("::")[0].rsplit("/", 1)[-1] in SPLIT_FOR_XDIST]
+    rest = [i for i in items if i not in set(split)]
+    for item in split:
+        item.add_marker(pytest.mark.xdist_group(item.nodeid))
+    for item in rest:
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    items[:] = split + rest
