@@ -48,6 +48,9 @@ class PacedEngine:
         self.steps = self.tokens = 0
         self.step_s = 0.0
         self.pipelined, self._device_done = False, 0.0
+        self.host_cpu = False  # host time counted in this thread's CPU (a GIL wait then stretches the step)
+        self.host_releases = 0  # GIL drops spread over the host time (jax's dispatch drops it at each runtime call)
+        self.runner = _QueueMark()  # the step's "queued on the device" point, which the server's hand-off watches
 
     def __getattr__(self, name):
         return getattr(self._real, name)
@@ -82,8 +85,14 @@ class PacedEngine:
         from slora_jax.engine.sequence import RequestOutput
 
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < self.host_s:  # Python work: holds the GIL (preemptible, as real code)
-            pass
+        clock = time.thread_time if self.host_cpu else time.perf_counter
+        c0 = clock()
+        drops = [c0 + self.host_s * (i + 1) / (self.host_releases + 1) for i in range(self.host_releases)]
+        while clock() - c0 < self.host_s:  # Python work: holds the GIL (preemptible, as real code)
+            if drops and clock() >= drops[0]:
+                drops.pop(0)
+                time.sleep(0)  # a runtime call: the GIL is dropped and must be won back
+        self.runner.decode()
         if self.pipelined:  # the engine's overlap: this step's work queued, the previous step's tokens awaited
             now = time.perf_counter()
             done_prev, self._device_done = self._device_done, max(now, self._device_done) + self.device_s
@@ -110,8 +119,18 @@ class PacedEngine:
         return outs
 
 
+class _QueueMark:
+    """Stands for the engine's step runner: ``decode`` returns once the step is queued (nothing to run here)."""
+
+    def decode(self, *args, **kwargs):
+        return None
+
+    def prefill(self, *args, **kwargs):
+        return None
+
+
 def build_server(batch: int, host_ms: float, device_ms: float, switch_interval_ms: float | None = None,
-                 pipelined: bool = False):
+                 pipelined: bool = False, defer: bool = False, host_releases: int = 0, host_cpu: bool = False):
     # benchmarks/ off the path: transformers probes for a package named 'kernels' and would run benchmarks/kernels.py
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
     from slora_jax.engine.config import EngineConfig
@@ -128,8 +147,10 @@ def build_server(batch: int, host_ms: float, device_ms: float, switch_interval_m
     real = Engine.from_model_dir(model_dir, ecfg, adapters=adapters, tokenizer=load_tokenizer(model_dir),
                                  progress=False)
     engine = PacedEngine(real, batch, host_ms, device_ms)
-    engine.pipelined = pipelined
+    engine.pipelined, engine.host_releases, engine.host_cpu = pipelined, host_releases, host_cpu
     config = ServerConfig(served_model_name="paced")
+    if hasattr(config, "defer_hand_over"):
+        config.defer_hand_over = defer
     if switch_interval_ms and hasattr(config, "gil_switch_interval_s"):
         config.gil_switch_interval_s = switch_interval_ms / 1e3
     server = Server(engine, config, port=0, log_level="warning", tokenizer=load_tokenizer(model_dir))
@@ -267,7 +288,7 @@ def run_server_bench(args) -> dict:
     if args.switch_interval_ms:  # the old server's (which did not set it) and a new one's (config overrides it)
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     server, engine, adapters, vocab = build_server(args.batch, args.host_ms, args.device_ms, args.switch_interval_ms,
-                                                   args.pipelined)
+                                                   args.pipelined, args.defer, args.host_releases, args.host_cpu)
     try:
         procs = args.client_procs
         per = [args.batch // procs + (p < args.batch % procs) for p in range(procs)]
@@ -296,7 +317,8 @@ def run_server_bench(args) -> dict:
     return {
         "batch": args.batch, "host_ms": args.host_ms, "device_ms": args.device_ms, "max_tokens": args.max_tokens,
         "seconds": wall, "steps": steps, "tokens": toks, "tokens_per_s": toks / wall,
-        "pipelined": args.pipelined,
+        "pipelined": args.pipelined, "defer_hand_over": server.engine_thread.defer_hand_over,
+        "host_releases": args.host_releases, "host_cpu": args.host_cpu,
         "paced_step_ms": max(args.host_ms, args.device_ms) if args.pipelined else args.host_ms + args.device_ms,
         "step_ms_mean": 1e3 * wall / max(steps, 1),  # wall per step, including the engine thread's between-steps work
         "step_call_ms_mean": 1e3 * (w1 - w0) / max(steps, 1),  # inside engine.step: GIL waits stretch it
@@ -396,6 +418,10 @@ def main(argv=None) -> int:
     s.add_argument("--pipelined", action="store_true",
                    help="the device runs a step while the host prepares the next (the engine's overlap): a step is "
                    "max(host, device) when nothing else wants the GIL; --device-ms is then the device's time per step")
+    s.add_argument("--defer", action="store_true", help="the server's deferred hand-off (ServerConfig.defer_hand_over)")
+    s.add_argument("--host-releases", type=int, default=0, help="GIL drops per step's host time")
+    s.add_argument("--host-cpu", action="store_true",
+                   help="--host-ms is thread CPU, not wall: the GIL waits of the engine thread stretch its step")
     s.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval in the server")
     s.add_argument("--profile", default=None, help="write the event loop's cProfile (top by own time) here")
     c = sub.add_parser("client")

@@ -56,6 +56,10 @@ class ServerConfig:
     # The engine thread gives the GIL up at every device wait; with the event loop busy streaming it then waited up
     # to the whole interval each time to get it back, so the step loop slowed with the HTTP load
     gil_switch_interval_s: float | None = 0.0005
+    # hand a step's outputs to the event loop once the next step is queued on the device (the engine thread then
+    # waits with the GIL released), not while the engine thread schedules and dispatches that step: the loop's
+    # streaming then slows the step loop less, and each token reaches its client one step's host time later
+    defer_hand_over: bool = True
 
     def __post_init__(self) -> None:
         check_api_key(self.api_key)

@@ -5,8 +5,10 @@ loop. Every touch of the engine (add, abort, adapter unregistration, stats) is q
 the one engine thread (only what the engine documents as thread-safe, such as ``has_adapter`` and
 ``register_adapter``, is called from elsewhere). Outputs come back to each request's :class:`RequestStream` in one
 ``loop.call_soon_threadsafe`` per step (not one per token: at batch 256 the per-token hand-off was 256 wake-ups of
-the event loop and 256 self-pipe writes per step, all under the GIL the step loop needs). The thread steps while
-there is work and sleeps on a condition variable when idle.
+the event loop and 256 self-pipe writes per step, all under the GIL the step loop needs). With ``defer_hand_over``
+(the server's default) that callback is sent once the next step is queued on the device, so the loop streams a
+step's tokens while the engine thread waits on the device with the GIL released, not while it schedules and
+dispatches (``watch_dispatch``). The thread steps while there is work and sleeps on a condition variable when idle.
 A step that raises fails only the requests that were in it (their clients get an error, not a hang) and the thread
 keeps serving.
 """
@@ -28,6 +30,34 @@ from ..engine.sampling import SamplingParams
 from ..engine.sequence import RequestOutput
 
 log = logging.getLogger("slora_jax.serve")
+
+
+def watch_dispatch(engine, callback: Callable[[], None]) -> Callable[[], None] | None:
+    """Call ``callback()`` (engine thread) each time ``engine.step`` has queued a step on the device, just before it
+    waits for the previous step's tokens; returns the function that undoes it, or None if the engine has no step
+    runner to watch (a stand-in engine). The engine offers no such hook, so the runner's two public step calls are
+    wrapped on this engine object."""
+    runner = getattr(engine, "runner", None)
+    names = ("decode", "prefill")
+    if runner is None or not all(callable(getattr(runner, n, None)) for n in names):
+        return None
+    plain = {n: getattr(runner, n) for n in names}
+
+    def queued_then(queue):
+        def call(*args, **kwargs):
+            try:
+                return queue(*args, **kwargs)
+            finally:
+                callback()
+        return call
+
+    for n in names:
+        setattr(runner, n, queued_then(plain[n]))
+
+    def undo() -> None:
+        for n in names:
+            setattr(runner, n, plain[n])
+    return undo
 
 
 class EngineUnavailable(RuntimeError):
@@ -139,7 +169,7 @@ def _resolve(fut: asyncio.Future | None, result: Any = None, error: BaseExceptio
 class EngineThread:
     """Owns the engine: ``submit`` / ``abort`` / ``call`` from the event loop, steps in a daemon thread."""
 
-    def __init__(self, engine, name: str = "slora-engine"):
+    def __init__(self, engine, name: str = "slora-engine", defer_hand_over: bool = False):
         self.engine = engine
         self._cv = threading.Condition()
         self._submits: list[_Submission] = []
@@ -148,6 +178,10 @@ class EngineThread:
         self._streams: dict[str, RequestStream] = {}  # engine-thread only
         self._finished: list[str] = []  # engine-thread only: ids to release after the outputs went out
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # engine-thread only: outputs not yet handed over
+        # engine-thread only: a step's outputs held until the next step is on the device (``device_busy``)
+        self._deferred: dict[asyncio.AbstractEventLoop, list] = {}
+        self._unwatch = watch_dispatch(engine, self.device_busy) if defer_hand_over else None
+        self.defer_hand_over = self._unwatch is not None
         self._stopping = False
         self._held = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -265,10 +299,14 @@ class EngineThread:
                 self._abort(rid)
             for call in calls:
                 self._run_call(call)
-            self._hand_over()  # aborts' last outputs go before the step's wait
+            if self._outbox or not self.defer_hand_over:
+                self._hand_over()  # aborts' last outputs go before the step's wait
             if not held and self._has_work():
                 self._step()
-            self._hand_over()
+            if self.defer_hand_over and not self._deferred and self._has_work():
+                self._defer()  # handed over once the next step is queued (device_busy), else after it
+            else:
+                self._hand_over()
             self._release_finished()
         self._shutdown()
 
@@ -325,9 +363,24 @@ class EngineThread:
             self._finished.append(out.request_id)
         self._outbox.setdefault(stream.loop, []).append((stream, out))
 
+    def device_busy(self) -> None:
+        """The engine thread's step is queued on the device and the thread is about to wait for the previous one's
+        tokens (GIL released): hand over the held outputs now, so the event loop streams them while the engine
+        thread holds no GIL instead of while it schedules and dispatches. Called on the engine thread, from the
+        engine's dispatch listener (see ``defer_hand_over``)."""
+        if self._deferred:
+            self._hand_over()
+
+    def _defer(self) -> None:
+        """Hold this step's outputs (after any held before them: per-stream order is kept)."""
+        for loop, items in self._outbox.items():
+            self._deferred.setdefault(loop, []).extend(items)
+        self._outbox = {}
+
     def _hand_over(self) -> None:
-        """Send the outputs gathered since the last hand-off: one callback per event loop (engine thread)."""
-        outbox, self._outbox = self._outbox, {}
+        """Send the held outputs and those gathered since: one callback per event loop (engine thread)."""
+        self._defer()
+        outbox, self._deferred = self._deferred, {}
         for loop, items in outbox.items():
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
                 loop.call_soon_threadsafe(_put_all, items)
@@ -343,6 +396,7 @@ class EngineThread:
         self.consecutive_failures = 0
         if not outputs:  # work is queued but none could be scheduled: wait a little instead of spinning
             self._idle_steps = min(self._idle_steps + 1, 6)
+            self._hand_over()  # nothing held while it waits
             with self._cv:
                 self._cv.wait(0.001 * 2 ** self._idle_steps)
         else:
@@ -411,3 +465,5 @@ class EngineThread:
             self._abort(rid)
         self._hand_over()
         self._release_finished()
+        if self._unwatch is not None:
+            self._unwatch()

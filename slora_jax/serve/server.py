@@ -54,7 +54,7 @@ class Server:
     def __init__(self, engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
                  log_level: str = "info", tokenizer=None):
         self.engine = engine
-        self.engine_thread = EngineThread(engine)
+        self.engine_thread = EngineThread(engine, defer_hand_over=config.defer_hand_over)
         self.app = create_app(self.engine_thread, config, tokenizer=tokenizer)
         self.ctx = self.app.state.ctx
         self.config = config
