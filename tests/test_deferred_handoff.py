@@ -203,10 +203,11 @@ def test_watch_dispatch_calls_back_after_each_queued_step_even_if_it_raises():
     assert engine.runner.decode is boom
 
 
-def test_the_server_defers_by_default_and_the_cli_can_turn_it_off():
+def test_deferral_is_off_by_default_and_the_cli_can_turn_it_on():
     from slora_jax.serve.cli import build_parser
     from slora_jax.serve.config import ServerConfig
 
-    assert ServerConfig(served_model_name="m").defer_hand_over
-    assert not build_parser().parse_args(["--model", "x"]).no_defer_hand_over
-    assert build_parser().parse_args(["--model", "x", "--no-defer-hand-over"]).no_defer_hand_over
+    assert not ServerConfig(served_model_name="m").defer_hand_over
+    assert not build_parser().parse_args(["--model", "x"]).defer_hand_over
+    assert build_parser().parse_args(["--model", "x", "--defer-hand-over"]).defer_hand_over
+    assert not build_parser().parse_args(["--model", "x", "--no-defer-hand-over"]).defer_hand_over

@@ -120,9 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time a client has to send a request's body after its headers (then 408)")
     s.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long running requests may take to finish before they end with an error")
-    s.add_argument("--no-defer-hand-over", action="store_true",
-                   help="hand each step's tokens to the HTTP side as soon as the step returns, not once the next "
-                   "step is on the device (A/B of ServerConfig.defer_hand_over)")
+    s.add_argument("--defer-hand-over", action=argparse.BooleanOptionalAction, default=False,
+                   help="hand each step's tokens to the HTTP side once the next step is on the device, not as soon "
+                   "as the step returns (ServerConfig.defer_hand_over; off until the H200 shows it helps)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     r = p.add_argument_group("replicas on Ray Serve (docs/RAY.md; pip install -e '.[ray]')")
     r.add_argument("--ray", action="store_true", help="serve --replicas engines behind one endpoint on --host/--port, "
@@ -371,7 +371,7 @@ def build_engine(args: argparse.Namespace):
                           max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                           header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
                           shutdown_grace_s=args.shutdown_grace_s, tenant_header=args.tenant_header,
-                          defer_hand_over=not args.no_defer_hand_over)
+                          defer_hand_over=args.defer_hand_over)
     return engine, config, load_tokenizer(model_dir)  # the server's own copy: the engine thread decodes concurrently
 
 

@@ -58,8 +58,9 @@ class ServerConfig:
     gil_switch_interval_s: float | None = 0.0005
     # hand a step's outputs to the event loop once the next step is queued on the device (the engine thread then
     # waits with the GIL released), not while the engine thread schedules and dispatches that step: the loop's
-    # streaming then slows the step loop less, and each token reaches its client one step's host time later
-    defer_hand_over: bool = True
+    # streaming then slows the step loop less, and each token reaches its client one step's host time later. Off
+    # by default: on CPU the gain could not be shown (2026-12-01); the H200 A/B in benchmarks/NOTES.md decides
+    defer_hand_over: bool = False
 
     def __post_init__(self) -> None:
         check_api_key(self.api_key)
