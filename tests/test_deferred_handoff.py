@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+from test_stream_handoff import next_token
 
 from slora_jax.engine.sampling import SamplingParams
 from slora_jax.engine.sequence import RequestOutput
@@ -72,17 +73,7 @@ class _PipelinedEngine:
                 self.inflight = plan
         time.sleep(self.device_s)  # waiting on the device: the GIL is free
         self.phase = "drain"  # the previous step's tokens read back: callbacks run
-        outs = []
-        for rid in previous or ():
-            r = self.open.get(rid)
-            if r is None:
-                continue
-            r[1] += 1
-            out = RequestOutput(rid, [r[1]], r[1] >= r[0], "length" if r[1] >= r[0] else None)
-            if out.finished:
-                del self.open[rid]
-            r[2](out)
-            outs.append(out)
+        outs = [next_token(self.open, rid) for rid in previous or () if rid in self.open]
         self.phase = "between"
         return outs
 

@@ -91,6 +91,18 @@ def test_merge_outputs_joins_each_request_in_order():
         assert m.finished == (m.request_id == last.request_id)
 
 
+def next_token(open_requests: dict[str, list], rid: str) -> RequestOutput:
+    """One more token for an open request of a stand-in engine ([max_tokens, count, on_output]); it is closed (and
+    dropped) at max_tokens. The output goes to the request's callback and is returned."""
+    r = open_requests[rid]
+    r[1] += 1
+    out = RequestOutput(rid, [r[1]], r[1] >= r[0], "length" if r[1] >= r[0] else None)
+    if out.finished:
+        del open_requests[rid]
+    r[2](out)
+    return out
+
+
 class _TokenEngine:
     """Engine stand-in: every step gives each open request one token, until its max_tokens."""
 
@@ -105,15 +117,7 @@ class _TokenEngine:
         return bool(self.open)
 
     def step(self):
-        outs = []
-        for rid, r in list(self.open.items()):
-            r[1] += 1
-            out = RequestOutput(rid, [r[1]], r[1] >= r[0], "length" if r[1] >= r[0] else None)
-            if out.finished:
-                del self.open[rid]
-            r[2](out)
-            outs.append(out)
-        return outs
+        return [next_token(self.open, rid) for rid in list(self.open)]
 
     def release(self, rid):
         pass
