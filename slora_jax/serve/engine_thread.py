@@ -6,9 +6,9 @@ the one engine thread (only what the engine documents as thread-safe, such as ``
 ``register_adapter``, is called from elsewhere). Outputs come back to each request's :class:`RequestStream` in one
 ``loop.call_soon_threadsafe`` per step (not one per token: at batch 256 the per-token hand-off was 256 wake-ups of
 the event loop and 256 self-pipe writes per step, all under the GIL the step loop needs). With ``defer_hand_over``
-(the server's default) that callback is sent once the next step is queued on the device, so the loop streams a
-step's tokens while the engine thread waits on the device with the GIL released, not while it schedules and
-dispatches (``watch_dispatch``). The thread steps while there is work and sleeps on a condition variable when idle.
+(``--defer-hand-over``, off by default) that callback is sent once the next step is queued on the device, so the
+loop streams a step's tokens while the engine thread waits on the device with the GIL released, not while it
+schedules and dispatches (``watch_dispatch``). The thread steps while there is work and sleeps on a condition variable when idle.
 A step that raises fails only the requests that were in it (their clients get an error, not a hang) and the thread
 keeps serving.
 """
@@ -85,10 +85,6 @@ class RequestStream:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-
-    def put_threadsafe(self, out: RequestOutput) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
-            self.loop.call_soon_threadsafe(self.put, out)
 
     def _pop(self) -> RequestOutput:
         out = self._items.popleft()

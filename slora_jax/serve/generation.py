@@ -103,9 +103,7 @@ class Generation:
     @property
     def done(self) -> bool:
         """Every choice is complete, or one failed (then the answer fails)."""
-        if self.failed is not None:
-            return True
-        return self.choices[0].done if len(self.choices) == 1 else all(c.done for c in self.choices)
+        return self.failed is not None or all(c.done for c in self.choices)
 
     def _record(self, out: RequestOutput) -> tuple[Choice, str]:
         """Account for one output; returns its choice and the text that may be sent now."""
