@@ -8,7 +8,8 @@ the one engine thread (only what the engine documents as thread-safe, such as ``
 the event loop and 256 self-pipe writes per step, all under the GIL the step loop needs). With ``defer_hand_over``
 (``--defer-hand-over``, off by default) that callback is sent once the next step is queued on the device, so the
 loop streams a step's tokens while the engine thread waits on the device with the GIL released, not while it
-schedules and dispatches (``watch_dispatch``). The thread steps while there is work and sleeps on a condition variable when idle.
+schedules and dispatches (``watch_dispatch``). The thread steps while there is work and sleeps on a condition
+variable when idle.
 A step that raises fails only the requests that were in it (their clients get an error, not a hang) and the thread
 keeps serving.
 """
