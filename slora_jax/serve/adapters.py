@@ -24,6 +24,7 @@ from ..engine.adapter_store import TIERS, NoRoom
 from ..lora.adapter_files import inside
 from ..lora.peft import AdapterError, AdapterNotAllowed
 from ..lora.sources import PeftDirSource
+from .engine_loop import EngineUnavailable
 from .protocol import APIError
 
 MAX_NAME_CHARS = 256
@@ -112,31 +113,33 @@ class AdapterAdmin:
         except TimeoutError:
             raise APIError(503, f"reading adapter {name!r} took longer than {timeout} s", "lora_name") from None
 
-    def pin(self, name: str) -> dict:
-        """Pin ``name`` resident; its state. Engine thread only (``engine_thread.call``)."""
+    async def pin(self, runner, name: str, timeout: float | None = None) -> dict:
+        """Pin ``name`` resident through ``runner`` (the ``EngineHandle``: the engine thread does it); its state."""
         try:
-            return self.engine.pin_adapter(name)
+            return await runner.pin_adapter(name, timeout)
         except KeyError:
             raise APIError(404, f"no adapter named {name!r} is loaded", "lora_name") from None
         except (AdapterError, NoRoom) as e:
             raise APIError(409, f"cannot pin: {e}", "lora_name") from None
 
-    def unpin(self, name: str) -> dict:
-        """Drop one explicit pin; its state. Engine thread only (``engine_thread.call``)."""
+    async def unpin(self, runner, name: str, timeout: float | None = None) -> dict:
+        """Drop one explicit pin through ``runner``; its state."""
         try:
-            return self.engine.unpin_adapter(name)
+            return await runner.unpin_adapter(name, timeout)
         except KeyError:
             raise APIError(404, f"no adapter named {name!r} is loaded", "lora_name") from None
         except ValueError as e:
             raise APIError(409, str(e), "lora_name") from None
 
-    def unregister(self, name: str) -> None:
-        """Stop serving ``name``. Engine thread only (``engine_thread.call``)."""
+    async def unregister(self, runner, name: str, timeout: float | None = None) -> None:
+        """Stop serving ``name`` through ``runner``."""
         try:
-            self.engine.unregister_adapter(name)
+            await runner.unregister_adapter(name, timeout)
         except KeyError:
             raise APIError(404, f"no adapter named {name!r} is loaded", "lora_name") from None
         except (RuntimeError, ValueError) as e:  # e.g. still used by running requests
+            if isinstance(e, EngineUnavailable):  # not a refusal: the engine is gone
+                raise
             raise APIError(409, str(e), "lora_name") from None
 
     # ---- path rules -----------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .adapters import AdapterAdmin
 from .config import ServerConfig
-from .engine_thread import EngineThread
+from .engine_thread import EngineHandle
 from .errors import error_response, install_error_handlers
 from .gate import RequestGate, api_route_paths
 from .generation import GenerationRunner
@@ -41,7 +41,7 @@ class ServeContext:
     """What the routes work with; one per app (``app.state.ctx``)."""
 
     config: ServerConfig
-    engine_thread: EngineThread
+    engine_thread: EngineHandle
     metrics: ServerMetrics
     requests: RequestBuilder
     generations: GenerationRunner
@@ -104,7 +104,7 @@ async def load_lora_adapter(req: LoadLoraRequest, ctx: Ctx):
 async def unload_lora_adapter(req: UnloadLoraRequest, ctx: Ctx):
     name = req.lora_name
     ctx.adapters.check_unloadable(name)
-    await ctx.engine_thread.call(lambda: ctx.adapters.unregister(name), timeout=ctx.config.admin_timeout_s)
+    await ctx.adapters.unregister(ctx.engine_thread, name, ctx.config.admin_timeout_s)
     log.info("unloaded adapter %s", name)
     return {"object": "lora_adapter", "name": name, "status": "unloaded",
             "message": f"Success: LoRA adapter {name!r} removed successfully."}
@@ -114,7 +114,7 @@ async def unload_lora_adapter(req: UnloadLoraRequest, ctx: Ctx):
 @routes.get("/v1/adapters")
 async def adapter_states(ctx: Ctx, tier: str | None = None):
     ctx.adapters.check_tier(tier)
-    data = await ctx.engine_thread.call(lambda: ctx.engine.adapter_states(tier), timeout=ctx.config.admin_timeout_s)
+    data = await ctx.engine_thread.adapter_states(tier, ctx.config.admin_timeout_s)
     return {"object": "list", "data": data}
 
 
@@ -123,7 +123,7 @@ async def pin_adapter(req: PinLoraRequest, ctx: Ctx):
     name, timeout = req.lora_name, ctx.config.admin_timeout_s
     ctx.adapters.check_unloadable(name, "pinned")
     await run_in_threadpool(ctx.adapters.read, name, timeout)  # a disk read: off the loop and the engine thread
-    state = await ctx.engine_thread.call(lambda: ctx.adapters.pin(name), timeout=timeout)
+    state = await ctx.adapters.pin(ctx.engine_thread, name, timeout)
     log.info("pinned adapter %s (%d explicit pins)", name, state["explicit_pins"])
     return {"object": "lora_adapter", "status": "pinned", **state}
 
@@ -132,7 +132,7 @@ async def pin_adapter(req: PinLoraRequest, ctx: Ctx):
 async def unpin_adapter(req: PinLoraRequest, ctx: Ctx):
     name = req.lora_name
     ctx.adapters.check_unloadable(name, "unpinned")
-    state = await ctx.engine_thread.call(lambda: ctx.adapters.unpin(name), timeout=ctx.config.admin_timeout_s)
+    state = await ctx.adapters.unpin(ctx.engine_thread, name, ctx.config.admin_timeout_s)
     log.info("unpinned adapter %s (%d explicit pins left)", name, state["explicit_pins"])
     return {"object": "lora_adapter", "status": "unpinned", **state}
 
@@ -150,7 +150,7 @@ async def health(ctx: Ctx):
 @routes.get("/metrics")
 async def prometheus_metrics(ctx: Ctx):
     try:
-        stats = await ctx.engine_thread.call(ctx.engine.stats, timeout=ctx.config.metrics_timeout_s)
+        stats = await ctx.engine_thread.stats(ctx.config.metrics_timeout_s)
         ctx.last_stats = stats
     except Exception as e:  # a long step or a stats bug: serve the last good values
         log.warning("metrics: engine stats unavailable (%s); serving the last values", e)
@@ -159,7 +159,7 @@ async def prometheus_metrics(ctx: Ctx):
     return Response(payload, media_type=content_type)
 
 
-def create_app(engine_thread: EngineThread, config: ServerConfig, tokenizer=None) -> FastAPI:
+def create_app(engine_thread: EngineHandle, config: ServerConfig, tokenizer=None) -> FastAPI:
     """The app for an engine already running in ``engine_thread``; ``tokenizer`` defaults to a copy of the engine's
     (a fast tokenizer must not be shared with the engine thread, which decodes concurrently). With an API key the
     interactive docs (/docs, /redoc, /openapi.json) are off: they would describe the API to anyone."""

@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--defer-hand-over", action=argparse.BooleanOptionalAction, default=False,
                    help="hand each step's tokens to the HTTP side once the next step is on the device, not as soon "
                    "as the step returns (ServerConfig.defer_hand_over; off until the H200 shows it helps)")
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine (model, warm-up, steps) in a child process of its own, so the HTTP side "
+                   "(JSON, SSE, detokenization) and the step loop do not share one GIL (docs/SERVING.md; off until "
+                   "the H200 A/B in benchmarks/NOTES.md shows the gain)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     r = p.add_argument_group("replicas on Ray Serve (docs/RAY.md; pip install -e '.[ray]')")
     r.add_argument("--ray", action="store_true", help="serve --replicas engines behind one endpoint on --host/--port, "
@@ -299,16 +303,40 @@ def resolve_model(args: argparse.Namespace, dtype: str) -> tuple[Path, list[Path
 
 
 def build_server(args: argparse.Namespace):
-    """Load the model and adapters, warm up, and return a ready-to-run :class:`Server`."""
+    """Load the model and adapters, warm up, and return a ready-to-run :class:`Server`. With ``--engine-process``
+    all of that happens in the engine process (:func:`process_engine`); this process gets the tokenizer."""
+    from ..tools.tokenizer import load_tokenizer
     from .server import Server
 
+    if args.engine_process:
+        from .engine_client import EngineClient
+
+        client = EngineClient.launch(process_engine, (args,), defer_hand_over=args.defer_hand_over,
+                                     log_level=args.log_level)
+        config, model_dir = client.info["config"], client.info["model_dir"]
+        return Server(None, config, host=args.host, port=args.port, log_level=args.log_level,
+                      tokenizer=load_tokenizer(model_dir), runner=client)
     engine, config, tokenizer = build_engine(args)
     return Server(engine, config, host=args.host, port=args.port, log_level=args.log_level, tokenizer=tokenizer)
+
+
+def process_engine(args: argparse.Namespace):
+    """The engine process's factory (``engine_process.run``): (engine, what the server needs to know of it)."""
+    engine, config, model_dir = build_engine_parts(args)
+    return engine, {"config": config, "model_dir": model_dir}
 
 
 def build_engine(args: argparse.Namespace):
     """Load the model and adapters and warm up: (engine, ``ServerConfig``, the server's own tokenizer). A server
     here or a Ray replica (``ray_app``) serves them."""
+    from ..tools.tokenizer import load_tokenizer
+
+    engine, config, model_dir = build_engine_parts(args)
+    return engine, config, load_tokenizer(model_dir)  # the server's own copy: the engine thread decodes concurrently
+
+
+def build_engine_parts(args: argparse.Namespace):
+    """(engine, ``ServerConfig``, model dir): the model and adapters loaded and warmed up."""
     from ..engine import compile_counter, executable_store
     from ..engine.engine import Engine
     from ..model.config import ModelConfig
@@ -371,8 +399,8 @@ def build_engine(args: argparse.Namespace):
                           max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                           header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
                           shutdown_grace_s=args.shutdown_grace_s, tenant_header=args.tenant_header,
-                          defer_hand_over=args.defer_hand_over)
-    return engine, config, load_tokenizer(model_dir)  # the server's own copy: the engine thread decodes concurrently
+                          defer_hand_over=args.defer_hand_over, engine_process=args.engine_process)
+    return engine, config, model_dir
 
 
 GPU_MEMORY_FRACTION = "0.95"  # of the card JAX may use when XLA_PYTHON_CLIENT_MEM_FRACTION is not set
@@ -389,6 +417,12 @@ def main(argv: list[str] | None = None) -> None:
     # JAX takes 75% of a GPU unless told otherwise; the pool is sized from what is free after the weights, so let JAX
     # have the card (the rest is the CUDA context and library workspaces). Read when the backend starts, not before.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
+    if args.ray and args.engine_process:
+        parser.error("--engine-process is not available with --ray (each replica runs its engine in-process)")
+    if args.engine_process:  # the engine process owns the device; this one must not start JAX on it
+        from .engine_client import keep_jax_on_cpu
+
+        keep_jax_on_cpu()
     if args.ray:
         from .ray_app import run_ray
 
@@ -396,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         server = build_server(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # RuntimeError: the engine process did not start
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     try:

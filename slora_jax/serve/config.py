@@ -61,6 +61,10 @@ class ServerConfig:
     # streaming then slows the step loop less, and each token reaches its client one step's host time later. Off
     # by default: on CPU the gain could not be shown (2026-12-01); the H200 A/B in benchmarks/NOTES.md decides
     defer_hand_over: bool = False
+    # the engine runs in a child process (``--engine-process``; engine_process / engine_client), so the HTTP side and
+    # the step loop each have a GIL of their own. Set by the CLI, which starts the process; informative here. Off by
+    # default until the H200 A/B (benchmarks/NOTES.md, 2026-12-01 session 7) shows the gain
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         check_api_key(self.api_key)

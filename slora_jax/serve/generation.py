@@ -31,7 +31,7 @@ from ..engine.forks import sample_ids
 from ..engine.sequence import RequestOutput
 from ..lora.peft import AdapterError
 from .choices import BackendDecoder, Choice
-from .engine_thread import EngineThread, EngineUnavailable, RequestStream
+from .engine_thread import EngineHandle, EngineUnavailable, RequestStream
 from .logprob_format import ChoiceLogprobs, TokenTexts
 from .metrics import ServerMetrics
 from .protocol import APIError, ChunkTemplate, chat_choice, chat_delta, completion_choice, envelope, new_id, usage
@@ -74,7 +74,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
 class Generation:
     """The state of one request's answer: its choices so far (text, tokens, how each ended) and latency metrics."""
 
-    def __init__(self, prepared: PreparedRequest, rid: str, stream: RequestStream, engine_thread: EngineThread,
+    def __init__(self, prepared: PreparedRequest, rid: str, stream: RequestStream, engine_thread: EngineHandle,
                  metrics: ServerMetrics, arrival: float, tokenizer, adapter_label: str | None = None,
                  token_texts: TokenTexts | None = None):
         self.req, self.rid, self.stream = prepared, rid, stream
@@ -266,7 +266,7 @@ class Generation:
 class GenerationRunner:
     """Submits prepared requests to the engine thread and answers them, streamed or whole."""
 
-    def __init__(self, engine_thread: EngineThread, metrics: ServerMetrics, tokenizer):
+    def __init__(self, engine_thread: EngineHandle, metrics: ServerMetrics, tokenizer):
         self.engine_thread, self.metrics = engine_thread, metrics
         self.tokenizer = BackendDecoder.wrap(tokenizer)  # what the choices decode with: once per token
         self.token_texts = TokenTexts(tokenizer)  # token id -> text, for logprobs
@@ -280,7 +280,7 @@ class GenerationRunner:
             stream = await self.engine_thread.submit(prepared.prompt_ids, prepared.adapter, prepared.sampling, rid,
                                                      watch_stop_strings=False, tenant=prepared.tenant,
                                                      first_token_slo_s=prepared.first_token_slo_s, n=prepared.n,
-                                                     grammar=prepared.grammar)
+                                                     grammar=prepared.grammar, grammar_spec=prepared.grammar_spec)
         except QueueFull as e:
             raise APIError(429, f"the server is busy: {e}") from None
         except KeyError as e:

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 from ..engine.engine import RequestRejected
-from ..engine.grammar import GrammarMatcher
+from ..engine.grammar import GrammarMatcher, GrammarSpec
 from ..engine.sampling import SamplingParams
 from .config import DEFAULT_TENANT_HEADER, MAX_TENANT_CHARS
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, check_text
@@ -57,6 +57,7 @@ class PreparedRequest:
     rank_logprobs_only: bool = False  # logprobs are on only to rank best_of samples: not answered
     echo_text: str | None = None  # completions with echo: the prompt's text, which the answer starts with
     grammar: GrammarMatcher | None = None  # what the output must match (structured output)
+    grammar_spec: GrammarSpec | None = None  # what ``grammar`` was compiled from (an engine process compiles it again)
 
 
 class TokenizerThreads:
@@ -207,8 +208,9 @@ class RequestBuilder:
         except ValueError as e:
             raise APIError(400, str(e)) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        spec, grammar = self.grammars.compile_request(req) or (None, None)
         return PreparedRequest(kind, req.model, adapter, prompt_ids, sampling, req.return_token_ids, req.stream,
                                include_usage, tenant, req.first_token_slo_s, n=req.best_of_count() or req.samples,
                                best_of_keep=req.samples if req.best_of_count() else None,
                                rank_logprobs_only=bool(req.best_of_count()) and req.logprobs is None,
-                               grammar=self.grammars.for_request(req))
+                               grammar=grammar, grammar_spec=spec)

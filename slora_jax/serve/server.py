@@ -20,7 +20,7 @@ import uvicorn
 
 from .app import create_app
 from .config import ServerConfig
-from .engine_thread import EngineThread
+from .engine_thread import EngineHandle, EngineThread
 from .limits import http_protocol
 from .shutdown import FLUSH_S
 
@@ -52,9 +52,11 @@ class _Uvicorn(uvicorn.Server):
 
 class Server:
     def __init__(self, engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-                 log_level: str = "info", tokenizer=None):
+                 log_level: str = "info", tokenizer=None, runner: EngineHandle | None = None):
+        """Serve ``engine`` from a thread of this process, or (``runner``, ``engine`` None) the engine an
+        ``EngineHandle`` already runs: an ``engine_client.EngineClient`` of an engine process."""
         self.engine = engine
-        self.engine_thread = EngineThread(engine, defer_hand_over=config.defer_hand_over)
+        self.engine_thread = runner or EngineThread(engine, defer_hand_over=config.defer_hand_over)
         self.app = create_app(self.engine_thread, config, tokenizer=tokenizer)
         self.ctx = self.app.state.ctx
         self.config = config
@@ -77,7 +79,7 @@ class Server:
     def _ready(self) -> None:
         sockets = [s for srv in self._uvicorn.servers for s in srv.sockets]
         self.port = sockets[0].getsockname()[1] if sockets else self._uvicorn.config.port
-        n = len(self.engine.adapter_names())
+        n = len(self.engine_thread.engine.adapter_names())
         log.info("slora-jax ready: %s/v1 (model %r, %d adapters; try %s/v1/models)", self.url,
                  self.config.served_model_name, n, self.url)
 

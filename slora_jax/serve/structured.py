@@ -78,14 +78,24 @@ class RequestGrammars:
 
     def for_request(self, req) -> GrammarMatcher | None:
         """The compiled grammar ``req`` asks for (its first mask computed), None if none; 400 with the reason."""
+        compiled = self.compile_request(req)
+        return None if compiled is None else compiled[1]
+
+    def compile_request(self, req) -> tuple[GrammarSpec, GrammarMatcher] | None:
+        """(the grammar ``req`` asks for, compiled), None if none; 400 with the reason. The spec is what crosses to
+        an engine process (a matcher cannot), which compiles it again there (``compile_spec``)."""
         asked = grammar_spec(req)
         if asked is None:
             return None
         spec, field = asked
         try:
-            return self.compiler.compile(spec)
+            return spec, self.compiler.compile(spec)
         except GrammarError as e:
             raise APIError(400, f"{field}: {e}", field) from None
+
+    def compile_spec(self, spec: GrammarSpec) -> GrammarMatcher:
+        """``spec`` compiled (the engine process's side; raises ``GrammarError``)."""
+        return self.compiler.compile(spec)
 
     @property
     def compiles(self) -> int:
