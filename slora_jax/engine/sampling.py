@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +107,14 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
 
+    @functools.cached_property
+    def host_row(self) -> tuple:
+        """(temperature, top_k, top_p, presence, frequency, repetition, min_tokens) as the step holds them: top_k
+        beyond int32 is off anyway, a top_p that float32 would flush to 0 is :data:`TOP_P_FLOOR`. Made once per
+        params object, since every decode step of the request needs it (``sampling_arrays``)."""
+        return (self.temperature, min(max(self.top_k, 0), INT32_MAX), max(self.top_p, TOP_P_FLOOR),
+                self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_tokens)
+
     def token_ids_to_check(self) -> list[tuple[str, int]]:
         """(field, token id) of every id the request names, for the engine's vocabulary check."""
         return ([("stop_token_ids", t) for t in self.stop_token_ids]
@@ -169,32 +179,45 @@ def sampling_arrays(params: list[SamplingParams | None], seeds: list[int], count
     for i, m in enumerate(masks or ()):
         if m is not None:
             token_mask[i] = _packed_mask(m, words)
-    temp = np.zeros(rows, np.float32)
-    top_k = np.zeros(rows, np.int32)
-    top_p = np.ones(rows, np.float32)
-    seed = np.zeros(rows, np.uint32)
-    counter = np.zeros(rows, np.int32)
-    pen = dict(penalty_row=np.full(rows, -1, np.int32), presence=np.zeros(rows, np.float32),
+    n = len(params)
+    if n > rows:
+        raise ValueError(f"{n} sampling rows exceed the step's {rows}")
+    # one row of settings per request, made once per SamplingParams (host_row): the batch is a single numpy array
+    vals = np.fromiter(itertools.chain.from_iterable(_PAD_ROW if p is None else p.host_row for p in params),
+                       np.float64, n * len(_PAD_ROW)).reshape(n, len(_PAD_ROW))
+    live = np.fromiter((p is not None for p in params), bool, n)
+    out = dict(temperature=np.zeros(rows, np.float32), top_k=np.zeros(rows, np.int32),
+               top_p=np.ones(rows, np.float32), seed=np.zeros(rows, np.uint32), counter=np.zeros(rows, np.int32),
+               token_mask=token_mask, penalty_row=np.full(rows, -1, np.int32), presence=np.zeros(rows, np.float32),
                frequency=np.zeros(rows, np.float32), repetition=np.ones(rows, np.float32),
                prompt_len=np.zeros(rows, np.int32), bias_ids=np.full((rows, bias_entries), -1, np.int32),
                bias_values=np.zeros((rows, bias_entries), np.float32))
-    for i, p in enumerate(params):
-        if p is None:
-            continue
-        temp[i], top_k[i], top_p[i] = p.temperature, min(max(p.top_k, 0), INT32_MAX), max(p.top_p, TOP_P_FLOOR)
-        seed[i], counter[i] = (seeds[i] ^ (seeds[i] >> 32)) & 0xFFFFFFFF, counters[i]  # 64-bit seeds: fold the top
-        if counters[i] < p.min_tokens:
-            _forbid(token_mask[i], p.stop_token_ids + (() if p.ignore_eos else tuple(eos_ids)), vocab_size)
-        row = -1 if penalty_rows is None else penalty_rows[i]
-        if row >= 0:
-            pen["penalty_row"][i], pen["prompt_len"][i] = row, 0 if prompt_lens is None else prompt_lens[i]
-            pen["presence"][i], pen["frequency"][i] = p.presence_penalty, p.frequency_penalty
-            pen["repetition"][i] = p.repetition_penalty
-            n = min(len(p.logit_bias), bias_entries)
-            if n:
-                pen["bias_ids"][i, :n], pen["bias_values"][i, :n] = zip(*p.logit_bias[:n], strict=True)
-    return dict(temperature=temp, top_k=top_k, top_p=top_p, seed=seed, counter=counter, token_mask=token_mask,
-                **pen)
+    out["temperature"][:n], out["top_k"][:n], out["top_p"][:n] = vals[:, 0], vals[:, 1], vals[:, 2]
+    # 64-bit seeds: fold the top half in (exact Python ints; padding rows keep 0)
+    out["seed"][:n] = [(s ^ (s >> 32)) & 0xFFFFFFFF if p is not None else 0
+                       for p, s in zip(params, seeds, strict=False)]
+    out["counter"][:n] = [c if p is not None else 0 for p, c in zip(params, counters, strict=False)]
+    short = np.flatnonzero(live & (out["counter"][:n] < vals[:, 6]))  # still below their min_tokens
+    for i in short.tolist():
+        p = params[i]
+        _forbid(token_mask[i], p.stop_token_ids + (() if p.ignore_eos else tuple(eos_ids)), vocab_size)
+    if penalty_rows is not None:
+        has = live & (np.asarray(penalty_rows[:n], np.int64).reshape(n) >= 0)
+        out["penalty_row"][:n] = np.where(has, penalty_rows[:n], -1)
+        if prompt_lens is not None:
+            out["prompt_len"][:n] = np.where(has, prompt_lens[:n], 0)
+        out["presence"][:n] = np.where(has, vals[:, 3], 0.0)
+        out["frequency"][:n] = np.where(has, vals[:, 4], 0.0)
+        out["repetition"][:n] = np.where(has, vals[:, 5], 1.0)
+        for i in np.flatnonzero(has).tolist() if bias_entries else ():
+            bias = params[i].logit_bias[:bias_entries]
+            if bias:
+                out["bias_ids"][i, :len(bias)], out["bias_values"][i, :len(bias)] = zip(*bias, strict=True)
+    return out
+
+
+# A padding row's host_row: greedy, no top-k, no top-p, no penalty, no min_tokens.
+_PAD_ROW = (0.0, 0, 1.0, 0.0, 0.0, 1.0, 0)
 
 
 def _forbid(row: np.ndarray, token_ids: tuple[int, ...], vocab_size: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -142,19 +143,39 @@ class StepRunner:
             context_lens=np.zeros(n_seqs, np.int32), q_starts=np.zeros(n_seqs + 1, np.int32),
             logits_rows=np.zeros(n_seqs, np.int32))
 
-    def _fill(self, a: dict, items: list[StepItem], row_of: Callable[[int], int]) -> None:
-        page = self.ecfg.page_size
-        for i, it in enumerate(items):
-            r0, n = row_of(i), len(it.tokens)
-            pos = np.arange(it.start, it.start + n)
-            pages = np.asarray(it.pages, np.int32)
-            a["tokens"][r0:r0 + n] = it.tokens
-            a["positions"][r0:r0 + n] = pos
-            a["kv_slots"][r0:r0 + n] = pages[pos // page] * page + pos % page
-            a["row_slot"][r0:r0 + n] = it.adapter_slot
-            a["page_table"][i, : len(pages)] = pages
-            a["context_lens"][i] = it.start + n
-            a["logits_rows"][i] = r0 + n - 1
+    def _fill(self, a: dict, items: list[StepItem]) -> np.ndarray:
+        """Write the items' token rows (item i's right after item i-1's, from row 0) and sequence entries, numpy over
+        the whole batch (one Python pass per field, none per row); returns q_starts of the items (len + 1).
+
+        Raises IndexError for a token position whose page the item does not hold, ValueError for more pages than a
+        sequence may have, OverflowError for a value int32 cannot hold (what per-row writes raised before)."""
+        page, n = self.ecfg.page_size, len(items)
+        lens = np.fromiter((len(it.tokens) for it in items), np.int64, n)
+        q_starts = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=q_starts[1:])
+        total = int(q_starts[-1])
+        starts = np.fromiter((it.start for it in items), np.int64, n)
+        n_pages = np.fromiter((len(it.pages) for it in items), np.int64, n)
+        width = a["page_table"].shape[1]
+        if n and n_pages.max() > width:
+            raise ValueError(f"a sequence holds {int(n_pages.max())} pages; at most {width} fit its page table")
+        table = a["page_table"][:n]
+        table[np.arange(width) < n_pages[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(it.pages for it in items), np.int32, int(n_pages.sum()))
+        seq = np.repeat(np.arange(n), lens)  # each token row's item
+        pos = np.arange(total) - (q_starts[:-1] - starts)[seq]
+        page_of = pos // page
+        if total and (pos.min() < 0 or (page_of >= n_pages[seq]).any()):
+            bad = int(np.flatnonzero((pos < 0) | (page_of >= n_pages[seq]))[0])
+            raise IndexError(f"token position {int(pos[bad])} has no KV page (its sequence holds "
+                             f"{int(n_pages[seq[bad]])})")
+        a["tokens"][:total] = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items), np.int32, total)
+        a["positions"][:total] = pos
+        a["kv_slots"][:total] = table[seq, page_of] * page + pos % page
+        a["row_slot"][:total] = np.repeat(np.fromiter((it.adapter_slot for it in items), np.int64, n), lens)
+        a["context_lens"][:n] = starts + lens
+        a["logits_rows"][:n] = q_starts[1:] - 1
+        return q_starts
 
     def build_prefill(self, items: list[StepItem], n_rows: int | None = None) -> tuple[StepBatch, SamplingArrays]:
         """Items should come grouped by adapter (SGMV segments); rows are laid out in the given order.
@@ -165,9 +186,7 @@ class StepRunner:
         if len(items) > n_seqs:
             raise ValueError(f"{len(items)} sequences exceed max_prefill_seqs={n_seqs}")
         a = self._base_arrays(n_rows, n_seqs)
-        starts = np.cumsum([0] + [len(it.tokens) for it in items])
-        self._fill(a, items, lambda i: int(starts[i]))
-        a["q_starts"][: len(items) + 1] = starts
+        a["q_starts"][: len(items) + 1] = self._fill(a, items)
         a["q_starts"][len(items) + 1:] = total
         lora = make_tiles(a["row_slot"], ecfg.lora_block_t, self._lora_tiles(n_rows))
         a["lora_tiles"] = np.stack([lora.start, lora.length, lora.slot]).astype(np.int32)
@@ -179,8 +198,10 @@ class StepRunner:
         """Also returns ``token_src`` int32[n]: rows whose input token is still on the device (-1 = from the host).
         ``n`` forces a bucket (warm-up)."""
         n = n or _bucket(len(items), self.ecfg.decode_buckets)
+        if any(len(it.tokens) != 1 for it in items):
+            raise ValueError("a decode step computes exactly one token per sequence")
         a = self._base_arrays(n, n)
-        self._fill(a, items, lambda i: i)
+        self._fill(a, items)
         token_src = np.full(n, -1, np.int32)
         token_src[: len(items)] = [it.token_src for it in items]
         a["q_starts"][:] = np.minimum(np.arange(n + 1), len(items))
