@@ -75,6 +75,12 @@ class PacedEngine:
     def release(self, rid: str) -> None:
         pass
 
+    def stats(self) -> dict:
+        """The real engine's, with this stand-in's counters and the CPU of the thread asking (the engine thread: the
+        server asks for stats there) and of its process: what an engine in another process reports."""
+        return {**self._real.stats(), "paced": {"steps": self.steps, "tokens": self.tokens, "step_s": self.step_s,
+                                                "thread_cpu": time.thread_time(), "process_cpu": time.process_time()}}
+
     def running_request_ids(self) -> list[str]:
         return list(self._order[:self.batch])
 
@@ -129,15 +135,14 @@ class _QueueMark:
         return None
 
 
-def build_server(batch: int, host_ms: float, device_ms: float, switch_interval_ms: float | None = None,
-                 pipelined: bool = False, defer: bool = False, host_releases: int = 0, host_cpu: bool = False):
+def paced_engine(batch: int, host_ms: float, device_ms: float, pipelined: bool = False, host_releases: int = 0,
+                 host_cpu: bool = False):
+    """(the paced engine over the demo model, what the server needs of it); also the engine process's factory."""
     # benchmarks/ off the path: transformers probes for a package named 'kernels' and would run benchmarks/kernels.py
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
     from slora_jax.engine.config import EngineConfig
     from slora_jax.engine.engine import Engine
-    from slora_jax.serve.config import ServerConfig
     from slora_jax.serve.demo import ensure_demo
-    from slora_jax.serve.server import Server
     from slora_jax.tools.tokenizer import load_tokenizer
 
     model_dir, adapters_dir = ensure_demo("float32")
@@ -148,14 +153,44 @@ def build_server(batch: int, host_ms: float, device_ms: float, switch_interval_m
                                  progress=False)
     engine = PacedEngine(real, batch, host_ms, device_ms)
     engine.pipelined, engine.host_releases, engine.host_cpu = pipelined, host_releases, host_cpu
+    return engine, {"model_dir": model_dir, "adapters": list(adapters), "vocab": real.cfg.vocab_size}
+
+
+def build_server(batch: int, host_ms: float, device_ms: float, switch_interval_ms: float | None = None,
+                 pipelined: bool = False, defer: bool = False, host_releases: int = 0, host_cpu: bool = False,
+                 engine_process: bool = False):
+    """(server, the paced engine or None when it runs in the engine process, adapters, vocabulary size)."""
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]  # as paced_engine: 'kernels'
+    from slora_jax.serve.config import ServerConfig
+    from slora_jax.serve.server import Server
+    from slora_jax.tools.tokenizer import load_tokenizer
+
     config = ServerConfig(served_model_name="paced")
     if hasattr(config, "defer_hand_over"):
         config.defer_hand_over = defer
     if switch_interval_ms and hasattr(config, "gil_switch_interval_s"):
         config.gil_switch_interval_s = switch_interval_ms / 1e3
-    server = Server(engine, config, port=0, log_level="warning", tokenizer=load_tokenizer(model_dir))
+    factory_args = (batch, host_ms, device_ms, pipelined, host_releases, host_cpu)
+    if engine_process:
+        from slora_jax.serve.engine_client import EngineClient
+
+        client = EngineClient.launch(paced_engine, factory_args, defer_hand_over=defer, log_level="warning")
+        engine, info = None, client.info
+        server = Server(None, config, port=0, log_level="warning", tokenizer=load_tokenizer(info["model_dir"]),
+                        runner=client)
+    else:
+        engine, info = paced_engine(*factory_args)
+        server = Server(engine, config, port=0, log_level="warning", tokenizer=load_tokenizer(info["model_dir"]))
     server.start_background()
-    return server, engine, list(adapters), real.cfg.vocab_size
+    return server, engine, info["adapters"], info["vocab"]
+
+
+def counters(server, engine) -> tuple[int, int, float, float, float]:
+    """(steps, tokens, seconds inside engine.step, engine thread CPU, engine process CPU or 0 in-process)."""
+    if engine is not None:
+        return engine.steps, engine.tokens, engine.step_s, thread_cpu(server, True), 0.0
+    p = asyncio.run_coroutine_threadsafe(server.engine_thread.stats(30), server._uvicorn.loop).result(30)["paced"]
+    return p["steps"], p["tokens"], p["step_s"], p["thread_cpu"], p["process_cpu"]
 
 
 def thread_cpu(server, engine_side: bool) -> float:
@@ -288,7 +323,8 @@ def run_server_bench(args) -> dict:
     if args.switch_interval_ms:  # the old server's (which did not set it) and a new one's (config overrides it)
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     server, engine, adapters, vocab = build_server(args.batch, args.host_ms, args.device_ms, args.switch_interval_ms,
-                                                   args.pipelined, args.defer, args.host_releases, args.host_cpu)
+                                                   args.pipelined, args.defer, args.host_releases, args.host_cpu,
+                                                   args.engine_process)
     try:
         procs = args.client_procs
         per = [args.batch // procs + (p < args.batch % procs) for p in range(procs)]
@@ -298,17 +334,18 @@ def run_server_bench(args) -> dict:
                 for n in per]
         res = pool.map_async(_client_proc, jobs)
         time.sleep(args.warmup_s)
-        s0, k0, w0 = engine.steps, engine.tokens, engine.step_s
-        loop0, eng0, t0 = thread_cpu(server, False), thread_cpu(server, True), time.monotonic()
+        s0, k0, w0, eng0, child0 = counters(server, engine)
+        loop0, t0 = thread_cpu(server, False), time.monotonic()
         proc0 = time.process_time()
         prof = loop_profile(server, None) if args.profile else None
         time.sleep(args.seconds)
         if prof is not None:
             loop_profile(server, prof, args.profile)
-        s1, k1, w1 = engine.steps, engine.tokens, engine.step_s
-        loop1, eng1, t1 = thread_cpu(server, False), thread_cpu(server, True), time.monotonic()
+        s1, k1, w1, eng1, child1 = counters(server, engine)
+        loop1, t1 = thread_cpu(server, False), time.monotonic()
         proc1 = time.process_time()
         clients = res.get(args.seconds + args.warmup_s + 300)
+        run_tokens = counters(server, engine)[1]
         pool.close()
     finally:
         server.stop()
@@ -318,6 +355,8 @@ def run_server_bench(args) -> dict:
         "batch": args.batch, "host_ms": args.host_ms, "device_ms": args.device_ms, "max_tokens": args.max_tokens,
         "seconds": wall, "steps": steps, "tokens": toks, "tokens_per_s": toks / wall,
         "pipelined": args.pipelined, "defer_hand_over": server.engine_thread.defer_hand_over,
+        "engine_process": args.engine_process,
+        "engine_process_us_per_token": 1e6 * (child1 - child0) / max(toks, 1),  # the child's CPU (0: in-process)
         "host_releases": args.host_releases, "host_cpu": args.host_cpu,
         "paced_step_ms": max(args.host_ms, args.device_ms) if args.pipelined else args.host_ms + args.device_ms,
         "step_ms_mean": 1e3 * wall / max(steps, 1),  # wall per step, including the engine thread's between-steps work
@@ -328,7 +367,7 @@ def run_server_bench(args) -> dict:
         "engine_thread_cpu_ms_per_step": 1e3 * (eng1 - eng0) / max(steps, 1),
         "server_process_us_per_token": 1e6 * (proc1 - proc0) / max(toks, 1),
         "client": args.client, "client_errors": sum(c.get("errors", 0) for c in clients),
-        "client_chunks": chunks, "tokens_per_chunk": engine.tokens / max(chunks, 1),  # whole run: >1 = coalesced
+        "client_chunks": chunks, "tokens_per_chunk": run_tokens / max(chunks, 1),  # whole run: >1 = coalesced
         "client_cpu_us_per_chunk": 1e6 * sum(c["cpu_s"] for c in clients) / max(chunks, 1),
         "switch_interval_ms": 1e3 * sys.getswitchinterval(),
     }
@@ -422,6 +461,8 @@ def main(argv=None) -> int:
     s.add_argument("--host-releases", type=int, default=0, help="GIL drops per step's host time")
     s.add_argument("--host-cpu", action="store_true",
                    help="--host-ms is thread CPU, not wall: the GIL waits of the engine thread stretch its step")
+    s.add_argument("--engine-process", action="store_true",
+                   help="the paced engine runs in an engine process (--engine-process), not a thread of the server")
     s.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval in the server")
     s.add_argument("--profile", default=None, help="write the event loop's cProfile (top by own time) here")
     c = sub.add_parser("client")

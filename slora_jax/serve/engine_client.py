@@ -113,6 +113,7 @@ class EngineClient(EngineHandle):
         self.fatal: str | None = None
         self.closing: str | None = None
         self._stopping = False
+        self._reaping = threading.Lock()  # one thread at a time waits for the process (two would race to reap it)
         self._receiver = threading.Thread(target=self._receive, name="slora-engine-client", daemon=True)
         self._receiver.start()
 
@@ -279,7 +280,8 @@ class EngineClient(EngineHandle):
     def _gone(self) -> None:
         """The pipe closed: end every open request and call with the reason, so nothing waits forever."""
         if self.process is not None:
-            self.process.join(5.0)
+            with self._reaping:
+                self.process.join(5.0)
         if self._stopping:
             reason = self.closing or "the server is shutting down"
         else:
@@ -307,7 +309,8 @@ class EngineClient(EngineHandle):
         with contextlib.suppress(EngineUnavailable):
             self._send(("stop",))
         if self.process is not None:
-            _end(self.process, timeout)
+            with self._reaping:
+                _end(self.process, timeout)
         self._receiver.join(timeout)
         with contextlib.suppress(OSError):
             self._conn.close()

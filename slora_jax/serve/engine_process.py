@@ -197,8 +197,9 @@ def facts(engine) -> dict:
 def run(conn, factory, factory_args: tuple, defer_hand_over: bool = False, log_level: str = "INFO") -> None:
     """The engine process: ``factory(*factory_args)`` -> (engine, info for the server), then serve the pipe."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
-    for sig in (signal.SIGINT, signal.SIGTERM):  # a terminal's Ctrl-C reaches the whole group: the server drains us
-        signal.signal(sig, signal.SIG_IGN)
+    # a terminal's Ctrl-C reaches the whole process group: the server drains, then stops us. SIGTERM keeps its
+    # default (multiprocessing terminates a daemon child with it when the server exits abnormally)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine, info = factory(*factory_args)
     except BaseException as e:  # noqa: BLE001 - tell the server why, whatever it was (SystemExit from flag checks)
