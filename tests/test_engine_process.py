@@ -284,3 +284,111 @@ def test_a_dead_engine_process_fails_requests_and_health(setup):
         assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"]
     finally:
         assert server.stop() == 0, "".join(server.lines)
+
+
+STAND_IN = '''
+import asyncio, sys, time, types
+from slora_jax.engine.sampling import SamplingParams
+from slora_jax.engine.sequence import RequestOutput
+
+
+class StandIn:
+    """One token a step per open request; a step with a request whose prompt holds 13 raises."""
+    cfg = types.SimpleNamespace(vocab_size=50, eos_token_id=2)
+    ecfg = types.SimpleNamespace(max_model_len=64)
+
+    def __init__(self):
+        self.open = {}
+
+    def adapter_names(self):
+        return ["a"]
+
+    def add_request(self, prompt_ids, adapter=None, sampling=None, request_id=None, on_output=None, **_):
+        self.open[request_id] = [sampling.max_tokens, 0, on_output, 13 in prompt_ids]
+        return request_id
+
+    def has_unfinished(self):
+        return bool(self.open)
+
+    def running_request_ids(self):
+        return list(self.open)
+
+    def pool_lost(self):
+        return False
+
+    def abort(self, rid):
+        r = self.open.pop(rid, None)
+        if r is not None:
+            r[2](RequestOutput(rid, [], True, "abort"))
+        return r is not None
+
+    def release(self, rid):
+        pass
+
+    def step(self):
+        time.sleep(0.005)
+        if any(r[3] for r in self.open.values()):
+            self.open = {k: r for k, r in self.open.items() if r[3]}  # the others finished before: keep them out
+            raise RuntimeError("bad step")
+        outs = []
+        for rid, r in list(self.open.items()):
+            r[1] += 1
+            done = r[1] >= r[0]
+            outs.append(RequestOutput(rid, [r[1]], done, "length" if done else None))
+            if done:
+                del self.open[rid]
+            r[2](outs[-1])
+        return outs
+
+
+def stand_in():
+    return StandIn(), {"hello": 1}
+
+
+async def main(client):
+    async def run(rid, prompt, n):
+        s = await client.submit(prompt, None, SamplingParams(max_tokens=n), rid)
+        outs = [o async for o in s]
+        return [t for o in outs for t in o.new_token_ids], outs[-1].finish_reason, outs[-1].error
+
+    assert await run("ok", [1, 2], 4) == ([1, 2, 3, 4], "length", None)
+    ids, reason, error = await run("bad", [13], 4)
+    assert reason == "error" and "bad step" in error, (reason, error)
+    assert await run("after", [1], 2) == ([1, 2], "length", None)
+    assert client.step_failures == 1 and client.healthy and client.info == {"hello": 1}
+    assert client.engine.adapter_names() == ["a"] and client.engine.has_adapter("a")
+
+
+if __name__ == "__main__":
+    from slora_jax.serve.engine_client import EngineClient
+
+    client = EngineClient.launch(stand_in, (), log_level="error")
+    asyncio.run(main(client))
+    print("child", client.pid, flush=True)
+    time.sleep(120)
+'''
+
+
+def test_a_stand_in_engine_steps_in_the_child_and_dies_with_its_server(tmp_path):
+    """A failed step fails only its request, the status crosses the pipe, and when the server process is killed
+    (no shutdown at all) its engine process exits by itself."""
+    script = tmp_path / "stand_in_server.py"
+    script.write_text(STAND_IN)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path.cwd())))
+    try:
+        seen = []
+        while not (seen and seen[-1].startswith("child ")):  # the child's log (the failed step) comes first
+            seen.append(proc.stdout.readline())
+            assert seen[-1], "".join(seen)  # the script ended without reaching its end: its asserts say why
+        child = int(seen[-1].split()[1])
+        assert _alive(child) and child in _children(proc.pid)
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 15
+        while _alive(child):
+            assert time.monotonic() < deadline, "the engine process outlived its killed server"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
