@@ -282,6 +282,8 @@ def test_a_dead_engine_process_fails_requests_and_health(setup):
         assert health.status_code == 503 and "killed by signal 9" in health.json()["error"]["message"]
         r = _post(server.url, "/v1/completions", {"model": BASE_NAME, "prompt": [3, 4], "max_tokens": 2})
         assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"]
+        r = _post(server.url, "/v1/adapters/pin", {"lora_name": "ad-000"})  # a named call: 503 too, not 500
+        assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"], r.text
     finally:
         assert server.stop() == 0, "".join(server.lines)
 

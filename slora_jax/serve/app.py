@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .adapters import AdapterAdmin
 from .config import ServerConfig
-from .engine_thread import EngineHandle
+from .engine_thread import EngineHandle, EngineUnavailable
 from .errors import error_response, install_error_handlers
 from .gate import RequestGate, api_route_paths
 from .generation import GenerationRunner
@@ -159,6 +159,11 @@ async def prometheus_metrics(ctx: Ctx):
     return Response(payload, media_type=content_type)
 
 
+async def _engine_unavailable(_: Request, exc: EngineUnavailable) -> Response:
+    """Any route that needed the engine while it is gone (stopped, its pool lost, its process dead): 503."""
+    return error_response(503, str(exc))
+
+
 def create_app(engine_thread: EngineHandle, config: ServerConfig, tokenizer=None) -> FastAPI:
     """The app for an engine already running in ``engine_thread``; ``tokenizer`` defaults to a copy of the engine's
     (a fast tokenizer must not be shared with the engine thread, which decodes concurrently). With an API key the
@@ -185,6 +190,7 @@ def create_app(engine_thread: EngineHandle, config: ServerConfig, tokenizer=None
     app.state.ctx = ctx
     app.state.tokenizer = tokenizer  # the server's own copy (tests compare against it)
     install_error_handlers(app)
+    app.add_exception_handler(EngineUnavailable, _engine_unavailable)
     app.include_router(routes)
     app.add_middleware(BodyLimits, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     app.add_middleware(RequestGate, api_key=config.api_key, metrics=metrics, endpoints=api_route_paths(routes),
