@@ -197,8 +197,11 @@ class Scheduler:
         return [s for s in self.running if self._can_grow(s)]
 
     def _can_grow(self, seq: Sequence) -> bool:
-        """May still get a token (one whose last token is still on the device may already be done)."""
-        return not seq.length_done and seq.num_tokens < self.ecfg.max_model_len
+        """May still get a token (one whose last token is still on the device may already be done). Asked twice per
+        running sequence every decode step, so it reads the fields behind ``Sequence.length_done`` and
+        ``num_tokens`` once, not through their properties."""
+        generated = len(seq.output_ids) + (seq.inflight >= 0)
+        return generated < seq.sampling.max_tokens and len(seq.prompt_ids) + generated < self.ecfg.max_model_len
 
     def _admit(self) -> list[Sequence]:
         ecfg, page = self.ecfg, self.ecfg.page_size
