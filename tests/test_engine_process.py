@@ -159,11 +159,12 @@ def test_completions_match_the_in_process_server(setup):
     assert a["choices"][0]["token_ids"] != a["choices"][1]["token_ids"]  # two samples, not one twice
     assert a["usage"] == b["usage"]
     text = a["choices"][0]["text"]
-    stop = text[len(text) // 2:len(text) // 2 + 2]  # a stop string the answer is sure to hit
-    if stop.strip():
-        a, b = _both(setup, "/v1/completions", {**seeded, "n": 1, "stop": [stop]})
-        assert _choices(a) == _choices(b) and a["choices"][0]["finish_reason"] == "stop"
-        assert stop not in a["choices"][0]["text"]
+    # a stop string the answer is sure to hit (two visible characters past its start)
+    stop = next(text[i:i + 2] for i in range(1, len(text) - 1) if text[i:i + 2].isprintable()
+                and len(text[i:i + 2].strip()) == 2)
+    a, b = _both(setup, "/v1/completions", {**seeded, "n": 1, "stop": [stop]})
+    assert _choices(a) == _choices(b) and a["choices"][0]["finish_reason"] == "stop"
+    assert stop not in a["choices"][0]["text"] and text.startswith(a["choices"][0]["text"])
 
 
 def test_streaming_chat_matches_the_in_process_server(setup):
