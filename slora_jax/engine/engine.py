@@ -319,8 +319,8 @@ class Engine:
                             penalty_row=self.penalty_rows.row_for_prefill(seq),
                             prompt_logprobs=seq.sampling.prompt_logprobs is not None and seq.prompt_logprobs is None)
         on_device = seq.inflight >= 0
-        return StepItem(tokens=[0 if on_device else seq.all_ids[-1]], start=seq.num_tokens - 1, pages=seq.kv_pages,
-                        adapter_slot=seq.adapter_slot, sampling=seq.sampling, seed=seq.seed,
+        return StepItem(tokens=[0 if on_device else (seq.output_ids or seq.prompt_ids)[-1]], start=seq.num_tokens - 1,
+                        pages=seq.kv_pages, adapter_slot=seq.adapter_slot, sampling=seq.sampling, seed=seq.seed,
                         counter=seq.num_generated, token_src=seq.inflight, token_mask=mask,
                         penalty_row=seq.penalty_row)
 
