@@ -276,3 +276,24 @@ def test_an_item_whose_inputs_cannot_be_built_is_named(tiny_cfg, rng, fault):
     with pytest.raises(StepInputError) as e:
         runner._host_inputs(runner.build_decode, items)  # noqa: SLF001 - what decode() calls before dispatch
     assert e.value.rows == [bad]
+
+
+def test_step_logprobs_read_the_asked_rows_among_others(rng):
+    """Only the rows that asked for logprobs are read back into Python; each still gets its own row's values."""
+    from types import SimpleNamespace
+
+    from slora_jax.engine.logprobs import PACKED_WIDTH, StepLogprobs, read_row
+    from slora_jax.engine.sampling import MAX_LOGPROBS
+
+    rows = int(rng.integers(2, 40))
+    packed = rng.integers(0, 1000, size=(rows, PACKED_WIDTH)).astype(np.int32)
+    packed[:, 0] = rng.standard_normal(rows).astype(np.float32).view(np.int32)
+    packed[:, 1 + MAX_LOGPROBS:] = rng.standard_normal((rows, MAX_LOGPROBS)).astype(np.float32).view(np.int32)
+    n_top = [int(rng.integers(0, MAX_LOGPROBS + 1)) if rng.integers(3) == 0 else None for _ in range(rows)]
+    step = StepLogprobs(SimpleNamespace(logprobs=packed, prompt_logprobs=None), n_top, [None] * rows)
+    order = rng.permutation(rows).tolist()
+    for row in order:
+        token = int(rng.integers(1000))
+        got, prompt = step.row(row, token, SimpleNamespace())
+        assert prompt is None
+        assert got == (None if n_top[row] is None else read_row(packed[row], token, n_top[row]))
