@@ -94,9 +94,9 @@ def test_lowers_for_cuda_on_any_host(block_q, schedule_barrier):
 SIM_CASES = [  # (num_kv_heads, num_heads, head_dim, page_size, n_new, prior, extra)
     pytest.param(1, 2, 64, 16, [70, 1, 0, 30], [0, 40, 5, 20], dict(block_q=128, block_k=64, num_stages=2),
                  id="gqa2-two-consumers-turns-ragged"),
-    pytest.param(1, 2, 64, 128, [200], [10], dict(block_q=64, block_k=64, num_stages=2),
+    pytest.param(1, 2, 64, 128, [130], [10], dict(block_q=64, block_k=64, num_stages=2),
                  id="one-consumer-page-bigger-than-block"),
-    pytest.param(2, 2, 64, 16, [65, 60], [0, 0], dict(block_q=16, num_stages=3, schedule_barrier=False),
+    pytest.param(2, 2, 64, 16, [33, 20], [0, 0], dict(block_q=16, num_stages=3, schedule_barrier=False),
                  id="mha-small-block-q-gets-own-tiles", marks=pytest.mark.slow),
     pytest.param(1, 1, 64, 16, [9, 64, 3], [5, 0, 60], dict(block_q=64, block_k=64, num_stages=2, q_load="staged"),
                  id="q-always-staged"),
