@@ -82,8 +82,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens, counting the one still on the device."""
-        return len(self.prompt_ids) + self.num_generated
+        """Prompt plus generated tokens, counting the one still on the device (read per sequence every step)."""
+        return len(self.prompt_ids) + len(self.output_ids) + (self.inflight >= 0)
 
     @property
     def length_done(self) -> bool:
