@@ -14,6 +14,22 @@ from slora_jax.model.config import ModelConfig  # noqa: E402
 from slora_jax.tools import synth  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
+
+# One persistent compilation cache for the whole run (a temporary dir, removed at exit): many test modules build and
+# warm up engines of the same tiny shapes, and each engine's jitted steps are new functions to JAX, so without it
+# every module compiled the same executables again. Compile counts are unchanged (a cache hit still counts as a
+# compile request); tests of the cache itself run in subprocesses with their own dirs. SLORA_TEST_COMPILE_CACHE=0
+# turns it off.
+if os.environ.get("SLORA_TEST_COMPILE_CACHE", "1") != "0":
+    import atexit  # noqa: E402
+    import shutil  # noqa: E402
+    import tempfile  # noqa: E402
+
+    from slora_jax.engine import compile_counter  # noqa: E402
+
+    _cache_dir = tempfile.mkdtemp(prefix="slora-test-xla-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    compile_counter.enable_persistent_cache(_cache_dir)
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 if ON_GPU:
     # The fp32 checks claim fp32 parity (model vs HF, kernels vs their jnp references, batched vs alone). On the GPU
