@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Call 3a / 3b of the H200 runbook (README.md beside this): the HTTP A/B of `--engine-process`, S1 n=2000 on the 7B
+# model through `benchmarks/http_serving.py` (NOTES.md, "2026-12-01 (session 7): the engine in its own process").
+#   bash benchmarks/h200/call_http.sh ep       # 3a: --engine-process; ~6 min on a machine where call 2 wrote the
+#                                              #     model (server cold start ~130 s: JAX's cache is empty)
+#   bash benchmarks/h200/call_http.sh thread   # 3b: the control, engine thread in the server; ~3 min (restart
+#                                              #     from the cache ~37 s, no in-process run: 3a's is the reference)
+#   bash benchmarks/h200/call_http.sh ep thread  # both in one call: ~9.5 min, only if the call may take 600 s
+# Each mode: http_serving.py --preset llama-2-7b --n-adapters 2000 --distinct-adapters 20 --work-dir $WORK, our
+# traces sat and x0.7 (RATES), then the in-process engine on the sat trace when no earlier report on this machine has
+# it (INPROC=1 / INPROC=0 force it on / off); the model and adapters are written first if $WORK lacks them (~30 s:
+# a fresh machine needs no separate prepare call), and the server's first start fills JAX's compilation cache
+# (~/.cache/slora_jax) for the later ones. Budgets come from the time left in the call (CALL_LIMIT_S, 575 s).
+# Run tool: timeout_s 600, carry [".whl"]. $OUT per mode: <date>_http_serving_h200_engine_{process,thread}.json,
+# http_<mode>.log (the script's output), server_<mode>.log; in_process.log once. HTTP_ARGS: more flags (ours or the
+# server's, e.g. "--aiperf" needs aiperf's wheels, not carried).
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+# shellcheck source=benchmarks/h200/setup.sh
+source benchmarks/h200/setup.sh || exit 1
+WORK=${WORK:-/root/http-bench}
+# A cache of its own (the server's, the engine process's and the in-process engine's steps): not whatever the test
+# suite's servers left in ~/.cache/slora_jax (on the CPU box a restart from such a store failed at its first step run:
+# "NOT_FOUND: Function wrapped_broadcast.4 not found"; a fresh dir did not).
+export SLORA_JAX_CACHE_DIR=${SLORA_JAX_CACHE_DIR:-$WORK/cache}
+PRESET=${PRESET:-llama-2-7b}
+mkdir -p "$WORK/reports"
+[ $# -gt 0 ] || set -- ep
+read -r -a extra <<<"${HTTP_ARGS:-}"
+if [ -n "${H200_DRY:-}" ]; then extra+=(--tiny); fi
+
+for mode in "$@"; do
+    case "$mode" in
+        ep) name=engine_process; flag=(--engine-process) ;;
+        thread) name=engine_thread; flag=() ;;
+        *) echo "call_http.sh: mode '$mode' is neither ep nor thread" >&2; exit 2 ;;
+    esac
+    have_inproc=$(python3 -c "import glob, json, sys
+print(''.join('y' for p in glob.glob(sys.argv[1] + '/reports/*.json') if json.load(open(p)).get('in_process', {}).get('results')))" "$WORK")
+    case "${INPROC:-auto}" in
+        1) inproc=sat ;;
+        0) inproc="" ;;
+        *) if [ -n "$have_inproc" ]; then inproc=""; else inproc=sat; fi ;;
+    esac
+    L=$(left)
+    budget=$((L - 40)); reserve=0
+    [ -n "$inproc" ] && reserve=130
+    if [ "$budget" -lt 120 ]; then echo "== $mode: skipped, only $L s left in this call"; continue; fi
+    report=$OUT/${DATE}_http_serving_h200_$name.json
+    rm -f "$WORK/in_process.log" "$WORK/server.log"
+    echo "== $mode: budget $budget s, reserve $reserve s, in-process '${inproc}', $(nvidia-smi \
+--query-gpu=memory.used --format=csv,noheader 2>/dev/null || echo '?') in use"
+    timeout -k 15 $((L - 15)) python3 benchmarks/http_serving.py --preset "$PRESET" --n-adapters "${N_ADAPTERS:-2000}" \
+        --distinct-adapters 20 --work-dir "$WORK" --rates "${RATES:-sat,x0.7}" --in-process-rates "$inproc" \
+        --budget-s "$budget" --reserve-s "$reserve" --out "$report" "${flag[@]}" "${extra[@]}" \
+        >"$OUT/http_$mode.log" 2>&1
+    rc=$?
+    grep -E "^(device|server|http|openai|in-process|skip)|Error|error:" "$OUT/http_$mode.log" | cut -c1-220 | tail -n 12
+    echo "== $mode: exit $rc$([ $rc -eq 124 ] && echo ' (cut by the limit)')"
+    cp "$WORK/server.log" "$OUT/server_$mode.log" 2>/dev/null
+    [ -f "$WORK/in_process.log" ] && cp "$WORK/in_process.log" "$OUT/in_process.log"
+    [ -f "$report" ] && cp "$report" "$WORK/reports/"
+done
+# every report on this machine (3a's too, when 3b runs in a later call on the same warm machine)
+python3 benchmarks/h200/summary.py http "$WORK"/reports/*.json
+echo "== call done, $(left) s left"

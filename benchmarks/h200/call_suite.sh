@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Call 1 of the H200 runbook (README.md beside this): the whole GPU test suite, `.ci/gpu-suite` with 12 workers.
+# ~6-8 min: install + preflight ~15 s, pytest 250-400 s (session 6: 388 s with loadfile). Run tool: timeout_s 600,
+# carry [".whl"], command `bash benchmarks/h200/call_suite.sh`; extra arguments go to pytest (a dry run here:
+# `H200_DRY=1 WORKERS=2 bash benchmarks/h200/call_suite.sh tests/test_structure.py`).
+# $OUT: gpu_suite.log (the whole pytest output, one line per test) and <date>_gpu_suite_h200.json (counts, failures,
+# the 25 slowest); the table at the end is what the lead records in benchmarks/NOTES.md.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+# shellcheck source=benchmarks/h200/setup.sh
+source benchmarks/h200/setup.sh || exit 1
+export WORKERS=${WORKERS:-12} GPU_NAME
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+log=$OUT/gpu_suite.log
+limit=$(( $(left) - 20 ))  # summary and copy after it
+echo "suite: WORKERS=$WORKERS, pytest limit $limit s, log $log"
+start=$(date +%s)
+# -v -v on top of gpu-suite's -q: one line per finished test, so a run cut by the limit still names its failures.
+# timeout signals the whole process group: pytest, its workers and the servers they started.
+timeout -k 15 "$limit" .ci/gpu-suite -p no:cacheprovider --durations=25 -v -v "$@" >"$log" 2>&1
+rc=$?
+wall=$(( $(date +%s) - start ))
+tail -n 8 "$log" | cut -c1-200
+python3 benchmarks/h200/summary.py suite "$log" "$OUT/${DATE}_gpu_suite_h200.json" "$wall" "$rc"
+exit "$rc"

@@ -1,0 +1,32 @@
+# Sourced by every call_*.sh at its start, on the H200 machine, in the repo root: the carried wheels into /tmp/site,
+# the environment, a 2-second preflight (a missing package fails the call now, not minutes in), and `left`, the
+# seconds this call has before its own deadline. Not run by itself.
+#   CALL_LIMIT_S   the deadline the call script keeps, from its start (default 575: the run tool kills at 600)
+#   H200_DRY=1     a dry run on a machine without the GPU image: no install, $OUT defaults to /tmp/h200-out
+# shellcheck shell=bash
+T0=$(date +%s)
+CALL_LIMIT_S=${CALL_LIMIT_S:-575}
+left() { echo $((T0 + CALL_LIMIT_S - $(date +%s))); }
+if [ -n "${H200_DRY:-}" ]; then
+    OUT=${OUT:-/tmp/h200-out}
+    mkdir -p "$OUT"
+fi
+if [ -z "${OUT:-}" ] || [ ! -d "$OUT" ]; then echo "setup.sh: \$OUT is not set (run through the device tool)" >&2; return 1; fi
+export PYTHONUNBUFFERED=1
+export DATE; DATE=$(date -u +%F)  # the results' names
+if [ -z "${SLORA_GIT_COMMIT:-}" ]; then SLORA_GIT_COMMIT=$(cat .whl/COMMIT 2>/dev/null || echo unknown); fi
+export SLORA_GIT_COMMIT
+if [ -z "${H200_DRY:-}" ]; then
+    if ! ls .whl/*.whl >/dev/null 2>&1; then
+        echo "setup.sh: no .whl/*.whl here: run benchmarks/h200/wheels.sh on the dev machine and carry .whl" >&2
+        return 1
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl 2>&1 | grep -v "Running pip as the 'root' user" || true
+    export PYTHONPATH=/tmp/site:.
+else
+    export PYTHONPATH=.
+fi
+python3 benchmarks/h200/preflight.py --site "${PYTHONPATH%%:*}" || return 1
+echo "setup: $(date -u +%FT%TZ) commit $SLORA_GIT_COMMIT; $(nvidia-smi --query-gpu=name,memory.used,memory.total \
+--format=csv,noheader 2>/dev/null || echo 'no nvidia-smi'); $(nproc) cores; $(( $(left) )) s left in this call"
