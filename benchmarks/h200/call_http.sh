@@ -20,8 +20,8 @@ cd "$(dirname "$0")/../.." || exit 1
 source benchmarks/h200/setup.sh || exit 1
 WORK=${WORK:-/root/http-bench}
 # A cache of its own (the server's, the engine process's and the in-process engine's steps): not whatever the test
-# suite's servers left in ~/.cache/slora_jax (on the CPU box a restart from such a store failed at its first step run:
-# "NOT_FOUND: Function wrapped_broadcast.4 not found"; a fresh dir did not).
+# suite's servers left in ~/.cache/slora_jax: on CPU a step JAX loaded from its persistent cache, saved into the
+# executable store, fails at its first run after the next load ("NOT_FOUND: Function ... not found"; README.md).
 export SLORA_JAX_CACHE_DIR=${SLORA_JAX_CACHE_DIR:-$WORK/cache}
 PRESET=${PRESET:-llama-2-7b}
 mkdir -p "$WORK/reports"
