@@ -100,8 +100,8 @@ def test_step_state_equals_the_reference_through_prefill_and_decode():
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     rng = np.random.default_rng()
     vocab = 200
-    stop = tuple(int(t) for t in rng.choice(vocab, 3, replace=False))
-    eos = (int(rng.integers(vocab)),)
+    drawn = [int(t) for t in rng.choice(vocab, 4, replace=False)]
+    stop, eos = tuple(drawn[:3]), (drawn[3],)  # EOS apart from the stop ids: the ignore_eos row tells them apart
     sp = SamplingParams(min_tokens=4, stop_token_ids=stop, max_tokens=10)
     params = [sp, sp, dataclasses.replace(sp, ignore_eos=True), SamplingParams(stop_token_ids=stop)]
     a = sampling_arrays(params, [0] * 4, [3, 4, 0, 0], 4, vocab, eos_ids=eos)
