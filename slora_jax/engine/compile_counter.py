@@ -15,6 +15,7 @@ _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _lock = threading.Lock()
 _count = 0
 _hits = 0
+_thread_hits = threading.local()  # per thread: a compile's cache lookup records its hit on the compiling thread
 _installed = False
 
 
@@ -30,6 +31,7 @@ def _hit_listener(event: str, **kwargs) -> None:
     if event == _CACHE_HIT:
         with _lock:
             _hits += 1
+        _thread_hits.n = getattr(_thread_hits, "n", 0) + 1
 
 
 def install() -> None:
@@ -44,6 +46,12 @@ def install() -> None:
 def cache_hits() -> int:
     """Compiles served from the persistent compilation cache since :func:`install`."""
     return _hits
+
+
+def thread_cache_hits() -> int:
+    """Compiles served from the persistent cache on the calling thread since :func:`install` (tells whether one
+    ``compile()`` on this thread was a cache hit while other threads compile too)."""
+    return getattr(_thread_hits, "n", 0)
 
 
 def enable_persistent_cache(path: str | Path) -> Path:

@@ -351,8 +351,11 @@ class StepRunner:
         of the runs then finds the executable compiled in this process (or in the persistent cache). With a store,
         each compiled step is saved there for the next start."""
         def compile_and_store(lowered, key):
+            hits = compile_counter.thread_cache_hits()
             compiled = lowered.compile()
-            if store is not None:
+            # an executable JAX loaded from its persistent cache is not stored again: on XLA:CPU (jax 0.10.2) one
+            # re-serialized that way loads at the next start and fails at its first run ("Function ... not found")
+            if store is not None and compile_counter.thread_cache_hits() == hits:
                 store.save(key, compiled)
 
         t, workers = time.monotonic(), max(1, workers)
