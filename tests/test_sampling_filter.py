@@ -109,7 +109,8 @@ def test_kept_set_and_renormalized_probabilities_match_a_sort(vocab):
     assert exact_rows >= 50  # the margin decided almost no row
 
 
-@pytest.mark.parametrize(("form", "pivots"), [("stacked", 1), ("stacked", 3), ("siblings", 7), ("stored", 3)])
+@pytest.mark.parametrize(("form", "pivots"), [("stacked", 1), ("stacked", 3), ("siblings", 7), ("stored", 3),
+                                              ("auto", 3)])
 def test_keep_threshold_is_exact_for_any_search_width(form, pivots):
     """Deep cuts (flat rows, large top_k), ties, -inf, many zeros of both signs. (θ itself may be a denormal below a
     zero where the compiler flushes denormals: the same kept set.)"""
@@ -127,6 +128,21 @@ def test_keep_threshold_is_exact_for_any_search_width(form, pivots):
         got = (x[i] >= theta[i]) & (x[i] > -np.inf)
         assert (lo <= got).all() and (got <= hi).all(), (i, k[i], top_p[i], got.sum(), lo.sum(), hi.sum())
         assert got[np.argmax(x[i])]  # the top token always
+
+
+def test_auto_form_is_siblings_from_its_row_count_up(monkeypatch):
+    """"auto" (the default) traces the stacked form below SIBLINGS_FROM_ROWS rows and the siblings form from there
+    up (lowered to a threshold of 8 here): the same jaxpr as the form asked for by name."""
+    monkeypatch.setattr(vocab_select, "SIBLINGS_FROM_ROWS", 8)
+    rng = np.random.default_rng()
+    for rows, want in ((7, "stacked"), (8, "siblings"), (12, "siblings")):
+        args = (jnp.asarray(rng.standard_normal((rows, 300)), jnp.float32),
+                jnp.asarray(rng.integers(1, 300, rows), jnp.int32),
+                jnp.asarray(rng.uniform(0.1, 1.0, rows), jnp.float32))
+        text = {form: str(jax.make_jaxpr(lambda a, b, c, f=form: vocab_select.keep_threshold(a, b, c, 3, f))(*args))
+                for form in ("auto", "stacked", "siblings")}
+        assert text["stacked"] != text["siblings"]
+        assert text["auto"] == text[want], rows
 
 
 def test_sampled_tokens_are_the_sort_based_samplers():
