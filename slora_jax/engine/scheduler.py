@@ -48,6 +48,14 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def check_prompt_fits(ecfg, n_prompt: int) -> None:
+    """Raise :class:`RequestRejected` for a prompt that leaves no room in the context for even one token (reads only
+    the config: a server without the scheduler, such as an engine process's front end, asks it too)."""
+    if n_prompt >= ecfg.max_model_len:
+        raise RequestRejected(f"the prompt has {n_prompt} tokens; this model's context is "
+                              f"{ecfg.max_model_len} tokens (prompt + max_tokens must fit)", "prompt")
+
+
 class Scheduler:
     """Owns admission: the fit rule (``check_request``, ``_admit``), the admission order (``policy``, ``head``) and
     preemption. Everyone who asks "does this fit" or "who is next" asks here."""
@@ -160,9 +168,7 @@ class Scheduler:
 
     def check_prompt(self, n_prompt: int) -> None:
         """Raise :class:`RequestRejected` for a prompt that leaves no room in the context for even one token."""
-        if n_prompt >= self.ecfg.max_model_len:
-            raise RequestRejected(f"the prompt has {n_prompt} tokens; this model's context is "
-                                  f"{self.ecfg.max_model_len} tokens (prompt + max_tokens must fit)", "prompt")
+        check_prompt_fits(self.ecfg, n_prompt)
 
     def check_request(self, n_prompt: int, max_tokens: int | None, adapter: str | None) -> int:
         """Raise :class:`RequestRejected` for a request that could never be admitted (admission would wait for it
@@ -197,11 +203,8 @@ class Scheduler:
         return [s for s in self.running if self._can_grow(s)]
 
     def _can_grow(self, seq: Sequence) -> bool:
-        """May still get a token (one whose last token is still on the device may already be done). Asked twice per
-        running sequence every decode step, so it reads the fields behind ``Sequence.length_done`` and
-        ``num_tokens`` once, not through their properties."""
-        generated = len(seq.output_ids) + (seq.inflight >= 0)
-        return generated < seq.sampling.max_tokens and len(seq.prompt_ids) + generated < self.ecfg.max_model_len
+        """May still get a token (one whose last token is still on the device may already be done)."""
+        return seq.can_grow(self.ecfg.max_model_len)
 
     def _admit(self) -> list[Sequence]:
         ecfg, page = self.ecfg, self.ecfg.page_size

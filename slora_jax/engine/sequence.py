@@ -82,13 +82,19 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens, counting the one still on the device (read per sequence every step)."""
-        return len(self.prompt_ids) + len(self.output_ids) + (self.inflight >= 0)
+        """Prompt plus generated tokens, counting the one still on the device."""
+        return len(self.prompt_ids) + self.num_generated
 
     @property
     def length_done(self) -> bool:
         """No more tokens may be generated (max_tokens reached, counting the one still on the device)."""
         return self.num_generated >= self.sampling.max_tokens
+
+    def can_grow(self, max_model_len: int) -> bool:
+        """May still get a token: not ``length_done`` and within the context. Asked twice per running sequence every
+        decode step, so the generated count is read once."""
+        generated = self.num_generated
+        return generated < self.sampling.max_tokens and len(self.prompt_ids) + generated < max_model_len
 
     @property
     def max_total_tokens(self) -> int:
