@@ -25,14 +25,14 @@ import itertools
 import logging
 import multiprocessing
 import threading
-import types
 from typing import Any
 
 from ..engine.forks import sample_ids
-from ..engine.scheduler import Scheduler
+from ..engine.scheduler import check_prompt_fits
 from ..engine.sequence import RequestOutput
 from . import engine_process
-from .engine_thread import ENGINE_CALLS, EngineHandle, EngineUnavailable, RequestStream, put_all
+from .engine_loop import FAILING_STEPS
+from .engine_thread import ENGINE_CALLS, EngineHandle, EngineUnavailable, RequestStream, post_by_loop
 from .engine_wire import unpack_error, unpack_output
 
 log = logging.getLogger("slora_jax.serve")
@@ -78,7 +78,7 @@ class EngineProxy:
 
     def check_prompt_length(self, n_prompt: int) -> None:
         """The scheduler's rule, which reads only the engine's config: answered here, no round trip."""
-        Scheduler.check_prompt(types.SimpleNamespace(ecfg=self.ecfg), n_prompt)
+        check_prompt_fits(self.ecfg, n_prompt)
 
     def watch_adapters(self, listener) -> None:
         self._listeners.append(listener)
@@ -165,7 +165,7 @@ class EngineClient(EngineHandle):
 
     @property
     def healthy(self) -> bool:
-        return self.alive and self.consecutive_failures < 3
+        return self.alive and self.consecutive_failures < FAILING_STEPS
 
     # ---------------------------------------------------------------- requests
     async def submit(self, prompt_ids: list[int], adapter: str | None, sampling, request_id: str,
@@ -252,7 +252,7 @@ class EngineClient(EngineHandle):
                 batch = self._conn.recv()
             except (EOFError, OSError, ValueError):
                 break
-            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+            ready: list[tuple[RequestStream, RequestOutput]] = []
             for msg in batch:
                 kind = msg[0]
                 if kind == "out":
@@ -261,7 +261,7 @@ class EngineClient(EngineHandle):
                         stream = self._streams.pop(out.request_id, None) if out.finished else \
                             self._streams.get(out.request_id)
                         if stream is not None:
-                            by_loop.setdefault(stream.loop, []).append((stream, out))
+                            ready.append((stream, out))
                 elif kind == "status":
                     self.steps, self.step_failures, self.consecutive_failures, self.last_error, fatal = msg[1:]
                     if fatal is not None and self.fatal is None:
@@ -272,9 +272,7 @@ class EngineClient(EngineHandle):
                     _settle(self._replies.pop(msg[1], None), msg[2], msg[3])
                 elif kind == "event":
                     self.engine.adapter_event(*msg[1:])
-            for loop, items in by_loop.items():
-                with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is listening
-                    loop.call_soon_threadsafe(put_all, items)
+            post_by_loop(ready)
         self._gone()
 
     def _gone(self) -> None:
@@ -294,13 +292,9 @@ class EngineClient(EngineHandle):
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 fut.set_exception(error)
         self._replies.clear()
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for rid, stream in list(self._streams.items()):
-            by_loop.setdefault(stream.loop, []).append((stream, RequestOutput(rid, [], True, "error", error=reason)))
+        post_by_loop([(stream, RequestOutput(rid, [], True, "error", error=reason))
+                      for rid, stream in list(self._streams.items())])
         self._streams.clear()
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(put_all, items)
 
     # ---------------------------------------------------------------- stopping
     def stop(self, timeout: float = 10.0) -> None:

@@ -26,6 +26,9 @@ from ..engine.sequence import RequestOutput
 
 log = logging.getLogger("slora_jax.serve")
 
+# Steps failing in a row after which the engine counts as unhealthy and every open request is ended.
+FAILING_STEPS = 3
+
 Reply = Callable[[Any, BaseException | None], None]  # reply(result, error): a submission's or a call's answer
 
 
@@ -134,7 +137,7 @@ class EngineLoop:
     @property
     def healthy(self) -> bool:
         """Alive and not failing step after step."""
-        return self.alive and self.consecutive_failures < 3
+        return self.alive and self.consecutive_failures < FAILING_STEPS
 
     def end_all(self, reason: str) -> None:
         """Refuse new requests from now on and end every open one (waiting or running) with ``reason``: each gets
@@ -311,7 +314,7 @@ class EngineLoop:
             self.fatal = f"the engine lost its pool after a failed step ({self.last_error}); restart the server"
             log.error(self.fatal)
             self._fail_all(self.fatal)
-        elif self.consecutive_failures >= 3:
+        elif self.consecutive_failures >= FAILING_STEPS:
             # failing before anything runs (e.g. while admitting a waiting request): end every open request so none
             # waits forever; new requests still get their chance
             self._fail_all(f"engine steps keep failing: {self.last_error}")

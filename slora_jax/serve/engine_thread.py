@@ -24,8 +24,8 @@ from ..engine.sampling import SamplingParams
 from ..engine.sequence import RequestOutput
 from .engine_loop import Call, EngineLoop, EngineUnavailable, Submission, watch_dispatch
 
-__all__ = ["ENGINE_CALLS", "EngineHandle", "EngineThread", "EngineUnavailable", "RequestStream", "put_all",
-           "watch_dispatch"]
+__all__ = ["ENGINE_CALLS", "EngineHandle", "EngineThread", "EngineUnavailable", "RequestStream", "post_by_loop",
+           "put_all", "watch_dispatch"]
 
 # The engine methods the app runs on the engine thread, by name (the engine process runs no other)
 ENGINE_CALLS = ("unregister_adapter", "adapter_states", "pin_adapter", "unpin_adapter", "stats")
@@ -94,6 +94,17 @@ def put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
     """One step's outputs, handed to their streams on the event loop in one callback."""
     for stream, out in items:
         stream.put(out)
+
+
+def post_by_loop(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """Hand outputs to their streams from any thread: one ``put_all`` callback per event loop; a closed loop has
+    nobody listening and is skipped."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, out in items:
+        by_loop.setdefault(stream.loop, []).append((stream, out))
+    for loop, batch in by_loop.items():
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(put_all, batch)
 
 
 def _resolve(fut: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
