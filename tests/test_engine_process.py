@@ -66,8 +66,9 @@ class ProcServer:
         """``root / "xla"``: the compilation cache (a second server on the same model compiles nothing)."""
         cmd = [sys.executable, "-m", "slora_jax.serve", "--engine-process", "--model", str(model_dir),
                "--adapter-dir", str(adapter_dir), *FLAGS, "--compilation-cache-dir", str(root / "xla")]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        # the child runs where the reference runs (its own platform): a CPU engine against a GPU reference differs in
+        # the last bits of every logprob (the GPU suite: no preallocation, so both fit beside the other workers)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
         deadline, self.url = time.monotonic() + 240, None
@@ -377,8 +378,9 @@ def test_a_stand_in_engine_steps_in_the_child_and_dies_with_its_server(tmp_path)
     (no shutdown at all) its engine process exits by itself."""
     script = tmp_path / "stand_in_server.py"
     script.write_text(STAND_IN)
+    path = os.pathsep.join(filter(None, (str(Path.cwd()), os.environ.get("PYTHONPATH"))))  # keep the GPU image's
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path.cwd())))
+                            env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path))
     try:
         seen = []
         while not (seen and seen[-1].startswith("child ")):  # the child's log (the failed step) comes first

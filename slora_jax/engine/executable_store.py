@@ -125,7 +125,7 @@ class ExecutableStore:
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self.loaded = self.saved = self.dropped = 0
+        self.loaded = self.saved = self.dropped = self.cache_served = 0
 
     def key(self, *parts: str) -> str:
         """The full key text: this process's :func:`environment` and the caller's parts (runner, job, arguments)."""
@@ -188,6 +188,11 @@ class ExecutableStore:
         with self._lock:
             self.saved += 1
         return True
+
+    def note_cache_served(self) -> None:
+        """Count a step compiled here that JAX's persistent cache served, so not stored (see the step runner)."""
+        with self._lock:
+            self.cache_served += 1
 
     def _drop(self, path: Path, why: str) -> None:
         log.warning("executable store: dropping %s (%s); compiling that step instead", path.name, why)

@@ -355,8 +355,12 @@ class StepRunner:
             compiled = lowered.compile()
             # an executable JAX loaded from its persistent cache is not stored again: on XLA:CPU (jax 0.10.2) one
             # re-serialized that way loads at the next start and fails at its first run ("Function ... not found")
-            if store is not None and compile_counter.thread_cache_hits() == hits:
+            if store is None:
+                return
+            if compile_counter.thread_cache_hits() == hits:
                 store.save(key, compiled)
+            else:
+                store.note_cache_served()
 
         t, workers = time.monotonic(), max(1, workers)
         with (ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool_of_threads,
