@@ -37,7 +37,9 @@ if ON_GPU:
     # an fp32 matmul at default precision, in XLA and in Pallas' Triton dots alike, runs in TF32 (10-bit mantissa:
     # ~3e-4 relative error, seen as 2e-4..7e-4 here), so the suite asks for full precision everywhere; bf16 paths
     # are unaffected (their inputs are already bf16). Serving and benchmarks keep the default.
+    # The same for the processes tests start (servers, engine processes): jax reads its flags from the environment.
     jax.config.update("jax_default_matmul_precision", "highest")
+    os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 
 # The adapter zoo of the foundation's acceptance: mixed ranks, rsLoRA, patterns, partial targets, layer subsets.
 ADAPTER_SPECS = {

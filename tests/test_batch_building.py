@@ -134,7 +134,7 @@ def random_params(rng, vocab) -> SamplingParams:
     elif kind == 2:
         kw.update(temperature=float(rng.random()), top_k=int(rng.choice([0, -1, 5, 2**40])), logprobs=3)
     elif kind == 3:  # penalties and logit_bias
-        ids = rng.choice(vocab, size=int(rng.integers(0, 12)), replace=False)
+        ids = rng.choice(vocab, size=int(rng.integers(0, min(12, vocab + 1))), replace=False)  # vocab may be < 12
         kw.update(presence_penalty=float(rng.uniform(-2, 2)), frequency_penalty=float(rng.uniform(-2, 2)),
                   repetition_penalty=float(rng.uniform(0.5, 3)),
                   logit_bias=tuple((int(t), float(rng.uniform(-100, 100))) for t in ids))

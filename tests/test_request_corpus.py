@@ -48,11 +48,13 @@ def http(srv):
 
 @pytest.fixture(scope="module")
 def probe_before(http):
-    return probe(http)
+    # the module's first generation compiles the engine's steps: on a GPU shared by the suite's 12 workers that took
+    # over TIMEOUT_S (every test using this fixture then errored), so the first probe waits longer
+    return probe(http, timeout=600)
 
 
-def probe(http) -> list[int]:
-    r = http.post("/v1/completions", json=PROBE)
+def probe(http, timeout: float = TIMEOUT_S) -> list[int]:
+    r = http.post("/v1/completions", json=PROBE, timeout=timeout)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 
