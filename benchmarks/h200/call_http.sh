@@ -32,7 +32,7 @@ if [ -n "${H200_DRY:-}" ]; then extra+=(--tiny); fi
 for mode in "$@"; do
     case "$mode" in
         ep) name=engine_process; flag=(--engine-process) ;;
-        thread) name=engine_thread; flag=() ;;
+        thread) name=engine_thread; flag=(--no-engine-process) ;;  # the command's default is the engine process
         *) echo "call_http.sh: mode '$mode' is neither ep nor thread" >&2; exit 2 ;;
     esac
     have_inproc=$(python3 -c "import glob, json, sys
