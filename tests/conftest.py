@@ -106,16 +106,27 @@ def make_store(tiny_cfg):
 # first, so no long one starts last. Without xdist's loadgroup (CI, a plain run) nothing changes.
 SPLIT_FOR_XDIST = ("test_attention_kernels.py", "test_lora_fused.py", "test_lora_kernels.py",
                    "test_mosaic_prefill_attention.py", "test_parallel_warmup.py")
+# Files whose module fixtures alone took 45-180 s on the H200 (session 8, 12 workers: prefix cache 176 s of setup,
+# staggered engine 113, logprobs 82, forks 82, ...), slowest first: queued before everything else, longest first, so
+# the run does not end waiting on one of them that started late (the suite took 353 s).
+HEAVY_FOR_XDIST = ("test_prefix_cache.py", "test_engine.py", "test_engine_edges.py", "test_logprobs.py",
+                   "test_forks.py", "test_penalties.py", "test_engine_process.py", "test_server_logprobs.py",
+                   "test_server_warmup.py", "test_executable_store.py", "test_server_load.py",
+                   "test_adapter_mixes.py", "test_structured_output.py", "test_server.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the marks into node ids
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("loadgroup", default=False):
         return
-    split = [i for i in items if i.nodeid.split("::")[0].rsplit("/", 1)[-1] in SPLIT_FOR_XDIST]
-    rest = [i for i in items if i not in set(split)]
+    file_of = {i: i.nodeid.split("::")[0].rsplit("/", 1)[-1] for i in items}
+    split = [i for i in items if file_of[i] in SPLIT_FOR_XDIST]
+    heavy = sorted((i for i in items if file_of[i] in HEAVY_FOR_XDIST),
+                   key=lambda i: HEAVY_FOR_XDIST.index(file_of[i]))  # stable: a file's own order is kept
+    taken = set(split) | set(heavy)
+    rest = [i for i in items if i not in taken]
     for item in split:
         item.add_marker(pytest.mark.xdist_group(item.nodeid))
-    for item in rest:
+    for item in heavy + rest:
         item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    items[:] = split + rest
+    items[:] = heavy + split + rest
