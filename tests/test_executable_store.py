@@ -74,8 +74,9 @@ def _requests(vocab: int) -> str:
         (prompt(), "a", dict(max_tokens=3, temperature=0.0, prompt_logprobs=1, presence_penalty=0.5))])
 
 
-def _start(tiny_dir, adapter, cache, requests: str, edited: bool = False, **ecfg) -> tuple[dict, str]:
-    env = dict(os.environ, SLORA_JAX_COMPILE_WORKERS="2")
+def _start(tiny_dir, adapter, cache, requests: str, edited: bool = False, env_extra: dict | None = None,
+           **ecfg) -> tuple[dict, str]:
+    env = dict(os.environ, SLORA_JAX_COMPILE_WORKERS="2", **(env_extra or {}))
     env.pop(executable_store.ENV_SWITCH, None)
     out = subprocess.run([sys.executable, "-c", START, str(tiny_dir), str(adapter), str(cache),
                           json.dumps(dict(ECFG, **ecfg)),
@@ -151,6 +152,26 @@ def test_a_code_change_misses_cleanly(tiny_dir, cold):
     assert "executable store" not in stderr  # a miss is not a warning
     assert sorted(store.glob("*.exe")) == before
     for run in (r, again):
+        assert run["tokens"] == cold["report"]["tokens"] and run["compiles_after"] == 0, run
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA:CPU fails this (the switch's comment says how)")
+def test_steps_from_jax_cache_stored_on_request_load_and_run_at_the_next_start(tiny_dir, cold, tmp_path):
+    """``SLORA_JAX_STORE_CACHE_SERVED=1``: with the store emptied, a start takes every step from JAX's persistent
+    cache (a copy of the dir hits on the GPU) and stores it; the start after it loads them all, traces nothing and
+    serves the cold start's tokens. Passing here on the GPU is what would let the switch default on there."""
+    cache = tmp_path / "xla"
+    shutil.copytree(cold["cache"], cache)
+    for entry in (cache / "executables").glob("*.exe"):
+        entry.unlink()
+    switch = {executable_store.STORE_CACHE_SERVED_SWITCH: "1"}
+    runs = [_start(tiny_dir, cold["adapter"], cache, cold["requests"], env_extra=switch)[0] for _ in range(2)]
+    first, second = runs
+    steps = first["stats"]["steps"]
+    assert first["stats"]["loaded"] == 0 and first["stats"]["ahead_cache_hits"] == steps, first["stats"]
+    assert first["saved"] == steps and first["cache_served"] == 0, first
+    assert second["stats"]["loaded"] == steps and second["warm_traces"] == 0 and second["serve_traces"] == 0, second
+    for run in runs:
         assert run["tokens"] == cold["report"]["tokens"] and run["compiles_after"] == 0, run
 
 

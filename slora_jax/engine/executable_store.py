@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 
 FORMAT = b"slora-jax-exe-1\n"  # file magic; bump when the entry layout changes
 ENV_SWITCH = "SLORA_JAX_EXECUTABLE_STORE"  # "0": keep the persistent compilation cache but not this store
+# "1": also store a step that JAX's persistent cache served. Off: on XLA:CPU (jax 0.10.2) such an executable, serialized
+# again, loads at the next start and fails at its first run ("Function ... not found"); whether XLA:GPU has the fault
+# is what tests/test_executable_store.py's GPU test finds out. Without it a restart after a code change never refills
+# the store for the steps JAX's cache still holds (they are traced at every start).
+STORE_CACHE_SERVED_SWITCH = "SLORA_JAX_STORE_CACHE_SERVED"
 SUFFIX = ".exe"
 PACKAGES = ("slora_jax", "pallas_kernels")
 # jax settings that change what a step lowers to (the rest of the key pins the code and shapes)
@@ -188,6 +193,10 @@ class ExecutableStore:
         with self._lock:
             self.saved += 1
         return True
+
+    @staticmethod
+    def stores_cache_served() -> bool:
+        return os.environ.get(STORE_CACHE_SERVED_SWITCH) == "1"
 
     def note_cache_served(self) -> None:
         """Count a step compiled here that JAX's persistent cache served, so not stored (see the step runner)."""

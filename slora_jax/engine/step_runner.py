@@ -357,7 +357,7 @@ class StepRunner:
             # re-serialized that way loads at the next start and fails at its first run ("Function ... not found")
             if store is None:
                 return
-            if compile_counter.thread_cache_hits() == hits:
+            if compile_counter.thread_cache_hits() == hits or store.stores_cache_served():
                 store.save(key, compiled)
             else:
                 store.note_cache_served()
