@@ -542,6 +542,10 @@ def child(args) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     try:
         for bi, b in enumerate(batches):
+            if time.time() > args.deadline - 30:  # the parent kills this process at its deadline: stop cleanly first
+                result["errors"].append(f"B={b}: skipped, {args.deadline - time.time():.0f} s before the deadline")
+                save()
+                break
             t, c0 = time.monotonic(), compile_counter.compile_count()
             row: dict = {}
             rec.last.clear()
@@ -573,11 +577,14 @@ def child(args) -> None:
             result["batches"][str(b)] = row
             save()
             print(f"B={b}: {one_line(row)}", flush=True)
-            if args.trace_out and bi == 0:
+            # the trace last (a profiler session must not disturb the batches timed after it, nor cost them if it
+            # fails); XLA turns command buffers off while profiling, so it shows the step's launches one by one
+            if args.trace_out and bi == len(batches) - 1:
                 left = args.deadline - time.time()
                 if left > 45:
                     try:
-                        result["trace"] = dict(trace_calls(engine, rec.last["decode"], args.trace_out), batch=b)
+                        result["trace"] = dict(trace_calls(engine, rec.last["decode"], args.trace_out), batch=b,
+                                               note="command buffers off while profiling (XLA's default)")
                     except Exception as e:  # noqa: BLE001
                         result["trace"] = {"error": repr(e)[:500]}
                 else:
@@ -597,7 +604,10 @@ def child(args) -> None:
 
 
 def write_hlo(f, where: str, title: str, text: str) -> None:
-    f.write(f"\n==== {where} {title}\n{text}")
+    """Lines cut at 2000 characters: a Pallas call's line carries its kernel's serialized IR (the census reads the
+    whole text; the dump is for reading, and must stay under the device tool's per-file limit)."""
+    lines = (ln if len(ln) <= 2000 else f"{ln[:2000]}...<{len(ln)} chars>" for ln in text.splitlines())
+    f.write(f"\n==== {where} {title}\n" + "\n".join(lines))
 
 
 def one_line(row: dict) -> str:
@@ -615,6 +625,19 @@ def one_line(row: dict) -> str:
 
 # ---------------------------------------------------------------- the parent: one process per variant
 
+_RUNNING: set[int] = set()  # children's process groups, killed if this process is terminated
+
+
+def _kill_children(signum, _frame) -> None:
+    """A child runs in its own session with most of the card: one left behind would starve the next call."""
+    for pid in list(_RUNNING):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    raise SystemExit(128 + signum)
+
+
 def run_variant(args, name: str, flags: str, timeout: float, extra: list[str], env_extra: dict) -> dict:
     fd, out = tempfile.mkstemp(prefix=f"dispatch_{name}_", suffix=".json")
     os.close(fd)
@@ -628,6 +651,7 @@ def run_variant(args, name: str, flags: str, timeout: float, extra: list[str], e
     tail: collections.deque[str] = collections.deque(maxlen=25)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True, bufsize=1)
+    _RUNNING.add(proc.pid)
 
     def pump():
         for line in proc.stdout:
@@ -643,6 +667,7 @@ def run_variant(args, name: str, flags: str, timeout: float, extra: list[str], e
         timed_out = True
         os.killpg(proc.pid, signal.SIGKILL)  # the child's own process group (start_new_session)
         rc = proc.wait()
+    _RUNNING.discard(proc.pid)
     reader.join(timeout=5)
     res = {"name": name, "flags": flags, "rc": rc, "timed_out": timed_out, "timeout_s": timeout,
            "wall_s": time.monotonic() - t, "env": env_extra}
@@ -669,6 +694,7 @@ def parent(args) -> None:
     from common import git_commit
 
     t_end = time.time() + args.deadline_s
+    signal.signal(signal.SIGTERM, _kill_children)
     jobs = [(name, flags, [], {}) for name, flags in parse_variants(args.variants)]
     if args.big_pool_gb is not None:
         jobs.append(("default_bigpool", jobs[0][1] if jobs else "", ["--pool-gb", str(args.big_pool_gb)], {}))

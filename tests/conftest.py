@@ -109,10 +109,20 @@ SPLIT_FOR_XDIST = ("test_attention_kernels.py", "test_lora_fused.py", "test_lora
 # Files whose module fixtures alone took 45-180 s on the H200 (session 8, 12 workers: prefix cache 176 s of setup,
 # staggered engine 113, logprobs 82, forks 82, ...), slowest first: queued before everything else, longest first, so
 # the run does not end waiting on one of them that started late (the suite took 353 s).
+# The two corpus files (873 and 295 fast tests behind one module server each) go early too. pytest-xdist >= 3.5 sorts
+# loadgroup's queue by tests per group unless told not to (pytest_configure below), which put these files 28th-40th.
 HEAVY_FOR_XDIST = ("test_prefix_cache.py", "test_engine.py", "test_engine_edges.py", "test_logprobs.py",
-                   "test_forks.py", "test_penalties.py", "test_engine_process.py", "test_server_logprobs.py",
-                   "test_server_warmup.py", "test_executable_store.py", "test_server_load.py",
-                   "test_adapter_mixes.py", "test_structured_output.py", "test_server.py")
+                   "test_request_corpus.py", "test_forks.py", "test_penalties.py", "test_engine_process.py",
+                   "test_server_logprobs.py", "test_adapter_corpus.py", "test_server_warmup.py",
+                   "test_executable_store.py", "test_server_load.py", "test_adapter_mixes.py",
+                   "test_structured_output.py", "test_server.py")
+
+
+def pytest_configure(config):
+    """Keep the queue in the order made below (xdist 3.5+'s ``loadscopereorder``, on by default, sorts groups by their
+    number of tests). An option, not a command-line flag: older xdist has neither, and an unknown flag stops pytest."""
+    if getattr(config.option, "dist", None) == "loadgroup" and hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the marks into node ids

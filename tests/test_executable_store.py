@@ -156,6 +156,7 @@ def test_a_code_change_misses_cleanly(tiny_dir, cold):
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA:CPU fails this (the switch's comment says how)")
+@pytest.mark.xfail(strict=False, reason="a probe: XPASS would let SLORA_JAX_STORE_CACHE_SERVED default on for the GPU")
 def test_steps_from_jax_cache_stored_on_request_load_and_run_at_the_next_start(tiny_dir, cold, tmp_path):
     """``SLORA_JAX_STORE_CACHE_SERVED=1``: with the store emptied, a start takes every step from JAX's persistent
     cache (a copy of the dir hits on the GPU) and stores it; the start after it loads them all, traces nothing and
