@@ -3,6 +3,7 @@ register-time check (``peft_ranks``) and the full load apply the same rank rules
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -13,7 +14,8 @@ from safetensors.numpy import load_file, save_file
 
 from slora_jax.lora.peft import AdapterError, load_peft_adapter, peft_ranks, read_adapter_config
 from slora_jax.lora.pool_rows import check_adapter_modules
-from slora_jax.lora.sources import PeftDirSource
+from slora_jax.lora.sources import InMemorySource, PeftDirSource
+from slora_jax.model.adapter_weights import LoraAdapter
 from slora_jax.model.config import MODULE_INDEX
 from slora_jax.tools.synth import write_adapter
 
@@ -104,6 +106,24 @@ def test_rejects_non_finite_weights(good, tiny_cfg, bad):
 
     _edit_tensors(good, poison)
     _rejects(good, tiny_cfg, "non-finite")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_an_in_memory_adapter_with_a_non_finite_weight_is_rejected(good, tiny_cfg, bad, which):
+    """The value check alone (no file reader before it): one bad entry in A or in B, anywhere, in any module."""
+    adapter = load_peft_adapter(good, tiny_cfg, "good")
+    rng = np.random.default_rng()
+    key = list(adapter.modules)[int(rng.integers(len(adapter.modules)))]
+    mod = adapter.modules[key]
+    poisoned = np.array(getattr(mod, which), np.float32)
+    poisoned[tuple(int(rng.integers(n)) for n in poisoned.shape)] = bad
+    modules = dict(adapter.modules)
+    modules[key] = dataclasses.replace(mod, **{which: poisoned})
+    source = InMemorySource(LoraAdapter(name="poisoned", modules=modules))
+    with pytest.raises(AdapterError, match="non-finite"):
+        source.load_rows("poisoned", tiny_cfg, 64, ml_dtypes.bfloat16)
+    assert InMemorySource(adapter).load_rows("good", tiny_cfg, 64, ml_dtypes.bfloat16).nbytes > 0
 
 
 def test_rejects_missing_config(good, tiny_cfg):

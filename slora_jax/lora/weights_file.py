@@ -115,11 +115,15 @@ def _check_header(f, name: str, model: ModelConfig, ranks: dict[tuple[int, str],
 
 
 def _as_float32(tensor: np.ndarray, name: str, where: str) -> np.ndarray:
-    if not np.isfinite(tensor).all():
+    if tensor.dtype.itemsize > 4:  # float64: its range first (converted, a huge value would read as inf)
+        if not np.isfinite(tensor).all():
+            raise AdapterError(name, f"{where} has non-finite weights (NaN or inf)")
+        if float(np.abs(tensor).max(initial=0)) > _FLOAT32_MAX:
+            raise AdapterError(name, f"{where} has weights beyond float32's range")
+    out = np.asarray(tensor, np.float32)  # bf16 / float16 convert exactly; the check is then a native float32 pass
+    if tensor.dtype.itemsize <= 4 and not np.isfinite(out).all():
         raise AdapterError(name, f"{where} has non-finite weights (NaN or inf)")
-    if tensor.dtype.itemsize > 4 and float(np.abs(tensor).max(initial=0)) > _FLOAT32_MAX:
-        raise AdapterError(name, f"{where} has weights beyond float32's range")
-    return np.asarray(tensor, np.float32)
+    return out
 
 
 def read_lora_weights(path: Path, name: str, model: ModelConfig, ranks: dict[tuple[int, str], int],
@@ -139,5 +143,6 @@ def read_lora_weights(path: Path, name: str, model: ModelConfig, ranks: dict[tup
                 where = module_key(layer, module)
                 a = _as_float32(f.get_tensor(keys["A"]), name, where)  # [r, d_in]
                 b = _as_float32(f.get_tensor(keys["B"]), name, where)  # [d_out, r]
-                weights[(layer, module)] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T))
+                # a: a view of lora_A (the pool rows take A^T's rows as they are, and column sums run along memory)
+                weights[(layer, module)] = (a.T, np.ascontiguousarray(b.T))
             return weights
