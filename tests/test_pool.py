@@ -6,6 +6,7 @@ import functools
 import math
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import random_lora
@@ -13,7 +14,7 @@ import random_lora
 from pallas_kernels.lora_common import gather_lora_a, gather_lora_b, lora_scale
 from slora_jax.engine.page_allocator import ADAPTER, KV, ForeignPage, OutOfPages, owner_kind
 from slora_jax.engine.pool import OutOfSlots, PagedPool, max_adapter_vectors
-from slora_jax.lora.pool_rows import to_pool_rows
+from slora_jax.lora.pool_rows import bf16_bits, to_pool_rows
 from slora_jax.model.adapter_weights import LoraAdapter, LoraModule
 from slora_jax.model.config import MODULES, ModelConfig
 
@@ -136,6 +137,27 @@ def test_pool_rows_layout_is_unpadded_and_sequential():
     assert rows.num_vectors == rows.layer_num_vectors.max()
     assert rows.total_vectors * vec == sum(m.a.size + m.b.size for m in adapter.modules.values())
     assert rows.pages_needed(16) == math.ceil(rows.num_vectors / 16)
+
+
+def test_bf16_pool_rows_are_the_float32_rows_cast_by_ml_dtypes():
+    """The bf16 layout writes bits (round to nearest even) instead of ml_dtypes' cast: the same bits, also for
+    subnormals, signed zeros, ties and values that round up a binade; the cast alone also for the largest values
+    (rounding to inf) and infinities."""
+    rng = np.random.default_rng()
+    adapter = random_adapter(rng, "x")
+    key = next(iter(adapter.modules))
+    a = np.array(adapter.modules[key].a, np.float32)
+    edge = np.array([0.0, -0.0, 1e-40, -1e-40, 1.00390625, 1.0117188, -1.9960938, 9.18e-41], np.float32)
+    a.flat[rng.choice(a.size, size=edge.size, replace=False)] = edge
+    adapter.modules[key] = LoraModule(a, adapter.modules[key].b, adapter.modules[key].scale)
+    want = to_pool_rows(adapter, CFG, np.float32).vectors.astype(ml_dtypes.bfloat16)
+    got = to_pool_rows(adapter, CFG, ml_dtypes.bfloat16).vectors
+    assert got.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    # the cast alone, over the whole range (the value check keeps such weights out of the pool)
+    x = rng.standard_normal(4096) * 10.0 ** rng.integers(-45, 38, 4096)
+    x = np.concatenate([x, [3.3895e38, 3.39e38, -3.4e38, np.inf, -np.inf]]).astype(np.float32)
+    np.testing.assert_array_equal(bf16_bits(x), x.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
 def test_pool_rows_rejects_bad_shapes():

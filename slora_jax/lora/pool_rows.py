@@ -132,6 +132,13 @@ def check_weight_values(adapter: LoraAdapter, dtype, name: str | None = None) ->
                                      f"above the limit {math.sqrt(limit):.4g} for {dtype.name} (its values overflow)")
 
 
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> the bits of bfloat16, rounded to nearest even: what ``x.astype(bfloat16)`` gives for every value
+    that is not NaN, at half the time of ml_dtypes' cast (the bulk of laying out a read adapter)."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+
+
 def to_pool_rows(adapter: LoraAdapter, config: ModelConfig, dtype=np.float32) -> AdapterRows:
     """Lay out ``adapter`` for a model of shape ``config``; raises ValueError (:class:`AdapterError` for the checks of
     :func:`check_adapter_modules` and :func:`check_weight_values`) on shapes or values that do not fit."""
@@ -152,6 +159,9 @@ def to_pool_rows(adapter: LoraAdapter, config: ModelConfig, dtype=np.float32) ->
         raise ValueError(f"adapter {adapter.name!r} is too large for int32 vector offsets")
 
     vectors = np.zeros((n_layers, int(layer_num_vectors.max(initial=0)), vec), dtype)
+    bf16 = vectors.dtype == ml_dtypes.bfloat16  # written as bits (check_weight_values has refused NaN)
+    out = vectors.view(np.uint16) if bf16 else vectors
+    put = bf16_bits if bf16 else (lambda x: x)  # noqa: E731
     for (layer, module_name), mod in adapter.modules.items():
         m = MODULE_INDEX[module_name]
         r = int(rank[layer, m])
@@ -160,8 +170,8 @@ def to_pool_rows(adapter: LoraAdapter, config: ModelConfig, dtype=np.float32) ->
         d_in, d_out = config.module_dims(module_name)
         # A^T row k chunk c sits at a_off + k*(d_in/V) + c: exactly a C-order reshape of A^T [r, d_in].
         a0, b0 = int(a_off[layer, m]), int(b_off[layer, m])
-        vectors[layer, a0 : a0 + r * (d_in // vec)] = np.ascontiguousarray(mod.a.T).reshape(-1, vec)
-        vectors[layer, b0 : b0 + r * (d_out // vec)] = np.asarray(mod.b).reshape(-1, vec)
+        out[layer, a0 : a0 + r * (d_in // vec)] = put(np.ascontiguousarray(mod.a.T).reshape(-1, vec))
+        out[layer, b0 : b0 + r * (d_out // vec)] = put(np.asarray(mod.b).reshape(-1, vec))
 
     return AdapterRows(
         name=adapter.name,
