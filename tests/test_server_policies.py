@@ -215,6 +215,7 @@ def test_scheduling_flags_become_engine_settings():
     assert scheduling_options(args) == dict(scheduling_policy="adapter-aware", first_token_slo_s=None,
                                             early_abort=False, prefix_cache=False, adapter_lookahead=4,
                                             adapter_max_bypass=0)
+    assert scheduling_options(build_parser().parse_args(["--admit-while-loading"]))["admit_while_loading"] is True
 
 
 def test_default_flags_change_nothing():

@@ -61,6 +61,10 @@ class EngineConfig:
     vtc_reserved_slots: int | None = None  # "vtc": last batch slots kept for tenants below an equal share (None: 1/32)
     adapter_lookahead: int = 16  # "adapter-aware": waiting requests searched for a resident adapter
     adapter_max_bypass: int = 32  # "adapter-aware": younger admissions a request may be overtaken by
+    # admission passes over a request whose adapter is still being read from its source or copied to the device
+    # (starting that read) while other work can run, instead of blocking the engine thread on it (a 7B adapter's
+    # read took ~85 ms on the H200 host); at most adapter_lookahead such requests a step. Off until measured there.
+    admit_while_loading: bool = False
     prefix_cache: bool = False  # share full KV pages of prompts with the same adapter and token prefix
     min_prefill_bucket: int | None = None  # None: the backend's default for the platform (with_platform_defaults)
     min_decode_bucket: int = 1  # smallest decode batch compiled (fewer buckets = shorter warm-up)

@@ -52,7 +52,7 @@ JAX_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_p
 NOT_IN_STEPS = frozenset({
     "pool_bytes", "num_pages", "max_waiting", "scheduling_policy", "first_token_slo_s", "early_abort",
     "vtc_input_weight", "vtc_output_weight", "vtc_reserved_slots", "adapter_lookahead", "adapter_max_bypass",
-    "prefix_cache", "max_cpu_loras", "host_budget_bytes", "max_staged_adapters"})
+    "prefix_cache", "max_cpu_loras", "host_budget_bytes", "max_staged_adapters", "admit_while_loading"})
 
 _active: ExecutableStore | None = None
 

@@ -237,6 +237,19 @@ class HostTier:
         with self._lock:
             return name in self._host
 
+    def ready_without_wait(self, name: str) -> bool:
+        """Whether a pool load of ``name`` would not wait for a read or a staging copy (True too for unknown and
+        failed adapters: their load fails at once); if it would, that read (then staging) or copy starts here."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None or name in self._errors:
+                return True
+            rows = self._host.get(name)
+            if rows is not None and self._staging.ready_locked(entry, name, rows):
+                return True
+        self.stage(self.rows_or_read([name]))
+        return False
+
     def rows_now(self, name: str) -> AdapterRows:
         """Host rows, blocking: cached, or read on the calling thread if its read is still queued (rather than wait
         behind other reads), else wait for the running read. Raises the adapter's :class:`AdapterError`."""

@@ -209,7 +209,7 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         ecfg, page = self.ecfg, self.ecfg.page_size
         batch: list[Sequence] = []
-        tokens, forks = 0, set()
+        tokens, forks, passed = 0, set(), 0
         for seq in self.policy.order(self.waiting):
             n = seq.num_tokens
             if (len(batch) >= ecfg.max_prefill_seqs or len(self.running) + len(batch) >= ecfg.max_batch_size
@@ -219,6 +219,13 @@ class Scheduler:
                 continue
             if seq.fork is not None and not seq.fork.prefilled and seq.fork in forks:
                 continue  # a sample of a request waits for its sibling's prefill, then shares its prompt pages
+            adapter = seq.adapter
+            if (ecfg.admit_while_loading and adapter is not None and (self.running or batch)
+                    and not self.store.is_resident(adapter) and not self.store.host.ready_without_wait(adapter)):
+                passed += 1  # its adapter loads meanwhile; it keeps its place in the queue
+                if passed >= ecfg.adapter_lookahead:
+                    break
+                continue
             # a prefill that must compute every prompt token (prompt logprobs, penalties) shares nothing
             cache = None if seq.needs_whole_prompt else self._sharing(seq)
             shared = cache.match(seq.adapter, seq.prompt_ids) if cache else []

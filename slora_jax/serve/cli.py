@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--adapter-max-bypass", type=non_negative_int, default=None, metavar="N",
                    help="adapter-aware: how many younger requests may be admitted before a waiting one, which then "
                    f"goes first (default {EngineConfig.adapter_max_bypass}; 0 = fcfs)")
+    q.add_argument("--admit-while-loading", action=argparse.BooleanOptionalAction, default=None,
+                   help="admission passes over a request whose adapter is still being read from disk (or copied to "
+                   "the GPU) while other requests can run, instead of the engine waiting for that read; it keeps its "
+                   "place (off until measured on the H200)")
     q.add_argument("--tenant-header", type=header_name, default=DEFAULT_TENANT_HEADER, metavar="NAME",
                    help="request header naming the tenant a request counts towards under vtc (absent: its adapter)")
     s = p.add_argument_group("HTTP")
@@ -198,7 +202,7 @@ def scheduling_options(args: argparse.Namespace) -> dict:
                 early_abort=args.early_abort, prefix_cache=args.enable_prefix_caching)
     if args.vtc_weights is not None:
         opts["vtc_input_weight"], opts["vtc_output_weight"] = args.vtc_weights
-    for name in ("vtc_reserved_slots", "adapter_lookahead", "adapter_max_bypass"):
+    for name in ("vtc_reserved_slots", "adapter_lookahead", "adapter_max_bypass", "admit_while_loading"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     for name, policy in _POLICY_FLAGS.items():
