@@ -8,6 +8,7 @@ time and checked as they arrive (finite, within float32), so a bad value stops t
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -115,13 +116,12 @@ def _check_header(f, name: str, model: ModelConfig, ranks: dict[tuple[int, str],
 
 
 def _as_float32(tensor: np.ndarray, name: str, where: str) -> np.ndarray:
-    if tensor.dtype.itemsize > 4:  # float64: its range first (converted, a huge value would read as inf)
-        if not np.isfinite(tensor).all():
-            raise AdapterError(name, f"{where} has non-finite weights (NaN or inf)")
-        if float(np.abs(tensor).max(initial=0)) > _FLOAT32_MAX:
+    if tensor.dtype.itemsize > 4:  # float64: a finite value beyond float32's range would convert to inf
+        peak = float(np.abs(tensor).max(initial=0))  # NaN and inf stay so when converted: refused below
+        if math.isfinite(peak) and peak > _FLOAT32_MAX:
             raise AdapterError(name, f"{where} has weights beyond float32's range")
     out = np.asarray(tensor, np.float32)  # bf16 / float16 convert exactly; the check is then a native float32 pass
-    if tensor.dtype.itemsize <= 4 and not np.isfinite(out).all():
+    if not np.isfinite(out).all():
         raise AdapterError(name, f"{where} has non-finite weights (NaN or inf)")
     return out
 
