@@ -466,42 +466,18 @@ def trace_calls(engine, rec: dict, out_path: str) -> dict:
 
 def build_engine(args):
     import jax
-    from host_step import ADAPTER_TARGETS  # benchmarks/ is on the path when run as a script
+    from host_step import build_engine as build  # benchmarks/ is on the path when run as a script
 
     from slora_jax.engine import compile_counter
-    from slora_jax.engine.config import EngineConfig
-    from slora_jax.engine.engine import Engine
-    from slora_jax.model.config import ModelConfig
-    from slora_jax.tools import synth
 
     if args.cache_dir:
         compile_counter.enable_persistent_cache(args.cache_dir)
     tmp = Path(tempfile.mkdtemp(prefix="dispatch_probe_"))
     on_gpu = jax.default_backend() == "gpu"
     batches = [int(b) for b in args.batches.split(",")]
-    if args.model_dir is None:
-        preset = dict(synth.preset_config("tiny"), vocab_size=32000, max_position_embeddings=args.max_model_len)
-        model_dir = synth.write_model(tmp / "model", preset, seed=1)
-    else:
-        model_dir = args.model_dir
-    cfg = ModelConfig.from_model_dir(model_dir)
-    pool = dict(num_pages=max(batches) * (args.max_model_len // 16 + 1) + 1024) if not on_gpu else \
-        dict(pool_bytes=int(args.pool_gb * (1 << 30)) if args.pool_gb > 0 else None)
-    ecfg = EngineConfig(max_batch_size=max(batches), max_prefill_tokens=max(2048, args.max_model_len),
-                        max_prefill_seqs=16, max_model_len=args.max_model_len, page_size=16, max_lora_rank=16,
-                        max_loras=max(2, args.adapters), min_decode_bucket=1,
-                        dtype="bfloat16" if on_gpu else "float32", backend="pallas" if on_gpu else "reference",
-                        **pool)
-    t = time.monotonic()
-    engine = Engine.from_model_dir(model_dir, ecfg, progress=False)
-    load_s = time.monotonic() - t
-    names: list[str | None] = []
-    for i in range(args.adapters):
-        path = synth.write_adapter(tmp / f"a{i}", cfg, rank=(4, 8, 16)[i % 3], targets=ADAPTER_TARGETS[i % 3],
-                                   seed=100 + i)
-        engine.register_adapter(f"a{i}", path)
-        names.append(f"a{i}")
-    adapters = [None if i % 4 == 3 else names[i % len(names)] for i in range(max(len(names), 4))] if names else [None]
+    engine, adapters, load_s = build(args.model_dir, tmp, batches, args.max_model_len, args.adapters,
+                                     gpu_pool=dict(pool_bytes=int(args.pool_gb * (1 << 30)) if args.pool_gb > 0
+                                                   else None))
     info = dict(model=str(args.model_dir or "tiny, vocab 32000"), load_s=load_s, on_gpu=on_gpu,
                 layer_loop=engine.layer_loop, pool_pages=engine.pool.num_pages if hasattr(engine.pool, "num_pages")
                 else None, pool_bytes=engine.ecfg.pool_bytes, num_pages=engine.ecfg.num_pages,

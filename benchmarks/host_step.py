@@ -148,6 +148,37 @@ def alone(engine: Engine, repeats: int = 50) -> dict:
     return out
 
 
+def build_engine(model_dir: str | None, tmp: Path, batches: list[int], max_model_len: int, n_adapters: int,
+                 gpu_pool: dict | None = None) -> tuple[Engine, list[str | None], float]:
+    """The engine the host probes measure (this script, dispatch_probe.py): ``model_dir`` or a tiny random model
+    with Llama-2's vocabulary, ``n_adapters`` of 3 target sets and ranks 4/8/16 written under ``tmp``, every 4th
+    request without one. ``gpu_pool``: the pool's EngineConfig fields on a GPU (default: sized from free memory).
+    Returns (engine, adapter per request index, seconds to load the model)."""
+    on_gpu = jax.default_backend() == "gpu"
+    if model_dir is None:
+        preset = dict(synth.preset_config("tiny"), vocab_size=32000, max_position_embeddings=max_model_len)
+        model_dir = synth.write_model(tmp / "model", preset, seed=1)
+    cfg = ModelConfig.from_model_dir(model_dir)
+    pool = (gpu_pool or dict(num_pages=None)) if on_gpu else \
+        dict(num_pages=max(batches) * (max_model_len // 16 + 1) + 1024)
+    ecfg = EngineConfig(max_batch_size=max(batches), max_prefill_tokens=max(2048, max_model_len),
+                        max_prefill_seqs=16, max_model_len=max_model_len, page_size=16, max_lora_rank=16,
+                        max_loras=max(2, n_adapters), min_decode_bucket=1,
+                        dtype="bfloat16" if on_gpu else "float32", backend="pallas" if on_gpu else "reference",
+                        **pool)
+    t = time.monotonic()
+    engine = Engine.from_model_dir(model_dir, ecfg, progress=False)
+    load_s = time.monotonic() - t
+    names: list[str | None] = []
+    for i in range(n_adapters):
+        path = synth.write_adapter(tmp / f"a{i}", cfg, rank=(4, 8, 16)[i % 3], targets=ADAPTER_TARGETS[i % 3],
+                                   seed=100 + i)
+        engine.register_adapter(f"a{i}", path)
+        names.append(f"a{i}")
+    adapters = [None if i % 4 == 3 else names[i % len(names)] for i in range(max(len(names), 4))] if names else [None]
+    return engine, adapters, load_s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", default=None, help="default: a random tiny model with a 32000-token vocabulary")
@@ -165,26 +196,7 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="host_step_"))
-    on_gpu = jax.default_backend() == "gpu"
-    if args.model_dir is None:
-        preset = dict(synth.preset_config("tiny"), vocab_size=32000, max_position_embeddings=args.max_model_len)
-        model_dir = synth.write_model(tmp / "model", preset, seed=1)
-    else:
-        model_dir = args.model_dir
-    cfg = ModelConfig.from_model_dir(model_dir)
-    ecfg = EngineConfig(max_batch_size=max(batches), max_prefill_tokens=max(2048, args.max_model_len),
-                        max_prefill_seqs=16, max_model_len=args.max_model_len, page_size=16, max_lora_rank=16,
-                        max_loras=max(2, args.adapters), min_decode_bucket=1,
-                        num_pages=None if on_gpu else max(batches) * (args.max_model_len // 16 + 1) + 1024,
-                        dtype="bfloat16" if on_gpu else "float32", backend="pallas" if on_gpu else "reference")
-    engine = Engine.from_model_dir(model_dir, ecfg, progress=False)
-    names: list[str | None] = []
-    for i in range(args.adapters):
-        path = synth.write_adapter(tmp / f"a{i}", cfg, rank=(4, 8, 16)[i % 3], targets=ADAPTER_TARGETS[i % 3],
-                                   seed=100 + i)
-        engine.register_adapter(f"a{i}", path)
-        names.append(f"a{i}")
-    adapters = [None if i % 4 == 3 else names[i % len(names)] for i in range(max(len(names), 4))] if names else [None]
+    engine, adapters, _ = build_engine(args.model_dir, tmp, batches, args.max_model_len, args.adapters)
     clock = Clock()
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
     engine._item = clock.wrap("items", engine._item)  # noqa: SLF001 - a benchmark's probe
