@@ -550,6 +550,13 @@ def main(argv=None) -> int:
     sat = trace_spec(f"S1-n{len(names)}-sat", len(names), SAT_RATE, args.requests, 0, args.in_range, args.out_range)
     report["trace_spec"] = sat
     save()
+    def run_sat(probes):
+        """The saturation trace with ``probes`` installed on the engine, taken off again however it ends."""
+        try:
+            return serving.run_trace(engine, sat["name"], make_spec_trace(sat), names, vocab, budget_end)[0]
+        finally:
+            probes.restore()
+
     for which in [p for p in args.passes.split(",") if p]:
         if time.monotonic() > budget_end - 10:
             print(f"skip pass {which}: budget", flush=True)
@@ -557,10 +564,7 @@ def main(argv=None) -> int:
         engine.time_in = dict.fromkeys(engine.time_in, 0.0)
         if which == "timers":
             timers = install_timers(engine)
-            try:
-                res, _ = serving.run_trace(engine, sat["name"], make_spec_trace(sat), names, vocab, budget_end)
-            finally:
-                timers.restore()
+            res = run_sat(timers)
             report["timers"] = timers_report(timers) | {"trace": summary_of(res)}
             print("timers pass: " + json.dumps(summary_of(res)), flush=True)
             rows = report["timers"]["subphases"]
@@ -572,10 +576,7 @@ def main(argv=None) -> int:
                       f"{r['total_s']:8.3f} {r['mean_ms']:8.3f} {r['max_ms']:8.2f}")
         elif which == "cprofile":
             profiles = Profiles(engine)
-            try:
-                res, _ = serving.run_trace(engine, sat["name"], make_spec_trace(sat), names, vocab, budget_end)
-            finally:
-                profiles.restore()
+            res = run_sat(profiles)
             cp = report["cprofile"] = {"trace": summary_of(res), "schedule_s": dict(profiles.schedule_s),
                                        "schedule_calls": {k: len(v) for k, v in profiles.schedule.items()},
                                        "dispatch_s": dict(profiles.dispatch_s), "top": {}}
