@@ -23,11 +23,7 @@ host=$OUT/${DATE}_host_step_h200.json
 run_steps() {
     local status=()
     echo "== model and adapters under $WORK ($(left) s left)"
-    timeout -k 10 150 python3 -c "
-import sys; sys.path.insert(0, 'benchmarks')
-from pathlib import Path
-from http_serving import prepare_preset
-print(prepare_preset('$PRESET', Path('$WORK'), ${N_ADAPTERS:-2000}, 20, 8))"
+    prepare_model
     status+=("prepare rc=$?")
 
     echo "== decode LoRA table ($(left) s left)"

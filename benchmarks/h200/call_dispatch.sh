@@ -27,11 +27,7 @@ if [ -n "${BIG_POOL_GB-0}" ]; then extra+=(--big-pool-gb "${BIG_POOL_GB-0}"); fi
 
 run_steps() {
     echo "== model under $WORK ($(left) s left)"
-    timeout -k 10 150 python3 -c "
-import sys; sys.path.insert(0, 'benchmarks')
-from pathlib import Path
-from http_serving import prepare_preset
-print(prepare_preset('$PRESET', Path('$WORK'), ${N_ADAPTERS:-2000}, 20, 8))"
+    prepare_model
     local prep=$?
     local limit=$(( $(left) - 10 ))
     echo "== dispatch probe on $WORK/model-$PRESET, batches ${BATCHES:-1,256,64}, $limit s"

@@ -30,3 +30,13 @@ fi
 python3 benchmarks/h200/preflight.py --site "${PYTHONPATH%%:*}" || return 1
 echo "setup: $(date -u +%FT%TZ) commit $SLORA_GIT_COMMIT; $(nvidia-smi --query-gpu=name,memory.used,memory.total \
 --format=csv,noheader 2>/dev/null || echo 'no nvidia-smi'); $(nproc) cores; $(( $(left) )) s left in this call"
+
+# The 7B (or $PRESET) model and $N_ADAPTERS PEFT adapters under $WORK, written once (http_serving.prepare_preset;
+# ~25 s on the H200, nothing when present). Returns its exit status.
+prepare_model() {
+    timeout -k 10 150 python3 -c "
+import sys; sys.path.insert(0, 'benchmarks')
+from pathlib import Path
+from http_serving import prepare_preset
+print(prepare_preset('$PRESET', Path('$WORK'), ${N_ADAPTERS:-2000}, 20, 8))"
+}
