@@ -95,13 +95,14 @@ def cold(tiny_dir, tiny_cfg, adapter_dirs, tmp_path_factory):
     return dict(report=report, cache=cache, requests=requests, adapter=adapter_dirs["r8-all7"])
 
 
-def _restart(tiny_dir, cold, tmp_path, edited: bool = False, spoil=None) -> tuple[dict, str, list]:
+def _restart(tiny_dir, cold, tmp_path, edited: bool = False, spoil=None,
+             env_extra: dict | None = None) -> tuple[dict, str, list]:
     cache = tmp_path / "xla"
     shutil.copytree(cold["cache"], cache)
     entries = sorted((cache / "executables").glob("*.exe"))
     if spoil:
         spoil(entries)
-    report, stderr = _start(tiny_dir, cold["adapter"], cache, cold["requests"], edited)
+    report, stderr = _start(tiny_dir, cold["adapter"], cache, cold["requests"], edited, env_extra)
     return report, stderr, entries
 
 
@@ -161,13 +162,11 @@ def test_steps_from_jax_cache_stored_on_request_load_and_run_at_the_next_start(t
     """``SLORA_JAX_STORE_CACHE_SERVED=1``: with the store emptied, a start takes every step from JAX's persistent
     cache (a copy of the dir hits on the GPU) and stores it; the start after it loads them all, traces nothing and
     serves the cold start's tokens. Passing here on the GPU is what would let the switch default on there."""
-    cache = tmp_path / "xla"
-    shutil.copytree(cold["cache"], cache)
-    for entry in (cache / "executables").glob("*.exe"):
-        entry.unlink()
     switch = {executable_store.STORE_CACHE_SERVED_SWITCH: "1"}
-    runs = [_start(tiny_dir, cold["adapter"], cache, cold["requests"], env_extra=switch)[0] for _ in range(2)]
-    first, second = runs
+    first, _, _ = _restart(tiny_dir, cold, tmp_path, spoil=lambda entries: [e.unlink() for e in entries],
+                           env_extra=switch)
+    second, _ = _start(tiny_dir, cold["adapter"], tmp_path / "xla", cold["requests"], env_extra=switch)
+    runs = (first, second)
     steps = first["stats"]["steps"]
     assert first["stats"]["loaded"] == 0 and first["stats"]["ahead_cache_hits"] == steps, first["stats"]
     assert first["saved"] == steps and first["cache_served"] == 0, first
