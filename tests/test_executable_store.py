@@ -139,13 +139,15 @@ def test_a_tensor_parallel_restart_loads_its_steps_onto_the_mesh(tiny_dir, tiny_
 
 
 def test_a_code_change_misses_cleanly(tiny_dir, cold):
-    """The store misses; JAX's persistent cache serves the compiles, and those executables are not stored again
-    (re-serialized, XLA:CPU's failed at the next start's first run: "Function ... not found"), so a second start of
-    the changed code serves the same tokens too. In the cold start's own cache dir: JAX's cache keys hold its path
-    (XLA's autotune cache dir is in the compile options), so a copy of the dir would miss."""
+    """The store misses; JAX's persistent cache serves the compiles, and with the switch off (the CPU default)
+    those executables are not stored again (re-serialized, XLA:CPU's failed at the next start's first run: "Function
+    ... not found"), so a second start of the changed code serves the same tokens too. In the cold start's own cache
+    dir: JAX's cache keys hold its path (XLA's autotune cache dir is in the compile options), so a copy would miss."""
     store = cold["cache"] / "executables"
     before = sorted(store.glob("*.exe"))
-    runs = [_start(tiny_dir, cold["adapter"], cold["cache"], cold["requests"], edited=True) for _ in range(2)]
+    off = {executable_store.STORE_CACHE_SERVED_SWITCH: "0"}
+    runs = [_start(tiny_dir, cold["adapter"], cold["cache"], cold["requests"], edited=True, env_extra=off)
+            for _ in range(2)]
     (r, stderr), (again, _) = runs
     steps = r["stats"]["steps"]
     assert r["stats"]["loaded"] == 0 and r["warm_traces"] >= steps and r["dropped"] == 0, r
@@ -157,12 +159,11 @@ def test_a_code_change_misses_cleanly(tiny_dir, cold):
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA:CPU fails this (the switch's comment says how)")
-@pytest.mark.xfail(strict=False, reason="a probe: XPASS would let SLORA_JAX_STORE_CACHE_SERVED default on for the GPU")
 def test_steps_from_jax_cache_stored_on_request_load_and_run_at_the_next_start(tiny_dir, cold, tmp_path):
     """``SLORA_JAX_STORE_CACHE_SERVED=1``: with the store emptied, a start takes every step from JAX's persistent
     cache (a copy of the dir hits on the GPU) and stores it; the start after it loads them all, traces nothing and
-    serves the cold start's tokens. Passing here on the GPU is what would let the switch default on there."""
-    switch = {executable_store.STORE_CACHE_SERVED_SWITCH: "1"}
+    serves the cold start's tokens. Passing here on the GPU (H200, jax 0.11.2) is why the switch defaults on there."""
+    switch = {}  # the GPU default
     first, _, _ = _restart(tiny_dir, cold, tmp_path, spoil=lambda entries: [e.unlink() for e in entries],
                            env_extra=switch)
     second, _ = _start(tiny_dir, cold["adapter"], tmp_path / "xla", cold["requests"], env_extra=switch)

@@ -114,12 +114,13 @@ class AdapterStore:
 
     def __init__(self, model_cfg: ModelConfig, pool: PagedPool, *, host_budget_bytes: int, max_rank: int | None = None,
                  dtype=None, io_threads: int = 4, max_host_adapters: int | None = None, max_staged: int = 8,
-                 eviction: EvictionPolicy | None = None):
+                 eviction: EvictionPolicy | None = None, read_processes: int = 0):
         self.model_cfg, self.pool = model_cfg, pool
         self.host = HostTier(model_cfg, pool, host_budget_bytes=host_budget_bytes,
                              max_rank=pool.max_rank if max_rank is None else int(max_rank),
                              dtype=pool.dtype if dtype is None else dtype, io_threads=io_threads,
-                             max_host_adapters=max_host_adapters, max_staged=max_staged)
+                             max_host_adapters=max_host_adapters, max_staged=max_staged,
+                             read_processes=read_processes)
         self.eviction = LRU() if eviction is None else eviction
         self._resident: dict[str, int] = {}  # name -> pool pages
         self._pins: dict[str, int] = {}

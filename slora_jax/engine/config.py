@@ -29,6 +29,15 @@ def resolve_layer_loop(layer_loop: str, platform: str) -> str:
     return "scan" if platform == "cpu" else "unroll"
 
 
+def resolve_read_processes(processes: int | None, platform: str) -> int:
+    """None -> 4 adapter read processes on an accelerator (where the engine thread keeps the GIL busy), 0 on CPU."""
+    if processes is not None:
+        if processes < 0:
+            raise ValueError(f"adapter_read_processes must be >= 0, got {processes}")
+        return processes
+    return 0 if platform == "cpu" else 4
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     max_batch_size: int = 64  # running sequences (decode rows)
@@ -40,6 +49,9 @@ class EngineConfig:
     max_loras: int = 64  # adapters resident in the pool at once (slots)
     max_cpu_loras: int | None = None  # adapters kept in host memory (None: bounded by host_budget_bytes only)
     host_budget_bytes: int = 8 << 30
+    # processes that read adapter files (engine/read_workers.py: reads then never wait on the engine thread's GIL);
+    # None: 4 on an accelerator, 0 (read on the IO threads) on CPU
+    adapter_read_processes: int | None = None
     # adapters copied to the device ahead of their pool load (device memory outside the pool: up to this many of the
     # largest adapters); 0 = off, else at least max_prefill_seqs (the head the engine prefetches for), or the head's
     # stagings push each other out and its adapters are copied at admission, on the engine thread

@@ -30,7 +30,7 @@ from ..model.sharding import TensorParallel
 from . import compile_counter, offline
 from .adapter_mixes import AdapterMixes
 from .adapter_store import AdapterStore
-from .config import EngineConfig, resolve_layer_loop
+from .config import EngineConfig, resolve_layer_loop, resolve_read_processes
 from .detok import IncrementalDetokenizer
 from .grammar import GrammarMatcher, prepare_grammar_rows
 from .logprobs import StepLogprobs
@@ -91,7 +91,9 @@ class Engine:
                               dtype=dtype, tp=self.tp)
         self.store = AdapterStore(cfg, self.pool, host_budget_bytes=ecfg.host_budget_bytes,
                                   max_rank=ecfg.max_lora_rank, dtype=np.dtype(dtype),
-                                  max_host_adapters=ecfg.max_cpu_loras, max_staged=ecfg.max_staged_adapters)
+                                  max_host_adapters=ecfg.max_cpu_loras, max_staged=ecfg.max_staged_adapters,
+                                  read_processes=resolve_read_processes(ecfg.adapter_read_processes,
+                                                                        jax.default_backend()))
         self.scheduler = Scheduler(ecfg, self.pool, self.store)
         self.mixes = AdapterMixes(self.store, lambda: [seq.adapter for seq in self.requests.values()])
         self.runner = StepRunner(cfg, ecfg, interpret=interpret, tp=self.tp)

@@ -36,10 +36,10 @@ log = logging.getLogger(__name__)
 
 FORMAT = b"slora-jax-exe-1\n"  # file magic; bump when the entry layout changes
 ENV_SWITCH = "SLORA_JAX_EXECUTABLE_STORE"  # "0": keep the persistent compilation cache but not this store
-# "1": also store a step that JAX's persistent cache served. Off: on XLA:CPU (jax 0.10.2) such an executable, serialized
-# again, loads at the next start and fails at its first run ("Function ... not found"); whether XLA:GPU has the fault
-# is what tests/test_executable_store.py's GPU test finds out. Without it a restart after a code change never refills
-# the store for the steps JAX's cache still holds (they are traced at every start).
+# "1" / "0": also store (or not) a step that JAX's persistent cache served; unset: on the GPU only. On XLA:CPU (jax
+# 0.10.2) such an executable, serialized again, loads at the next start and fails at its first run ("Function ... not
+# found"); on XLA:GPU (jax 0.11.2, H200, session 9) tests/test_executable_store.py's GPU test passes. Without it a
+# restart after a code change never refills the store for the steps JAX's cache still holds (traced at every start).
 STORE_CACHE_SERVED_SWITCH = "SLORA_JAX_STORE_CACHE_SERVED"
 SUFFIX = ".exe"
 PACKAGES = ("slora_jax", "pallas_kernels")
@@ -52,7 +52,8 @@ JAX_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_p
 NOT_IN_STEPS = frozenset({
     "pool_bytes", "num_pages", "max_waiting", "scheduling_policy", "first_token_slo_s", "early_abort",
     "vtc_input_weight", "vtc_output_weight", "vtc_reserved_slots", "adapter_lookahead", "adapter_max_bypass",
-    "prefix_cache", "max_cpu_loras", "host_budget_bytes", "max_staged_adapters", "admit_while_loading"})
+    "prefix_cache", "max_cpu_loras", "host_budget_bytes", "max_staged_adapters", "admit_while_loading",
+    "adapter_read_processes"})
 
 _active: ExecutableStore | None = None
 
@@ -196,7 +197,8 @@ class ExecutableStore:
 
     @staticmethod
     def stores_cache_served() -> bool:
-        return os.environ.get(STORE_CACHE_SERVED_SWITCH) == "1"
+        switch = os.environ.get(STORE_CACHE_SERVED_SWITCH)
+        return jax.default_backend() == "gpu" if switch not in ("0", "1") else switch == "1"
 
     def note_cache_served(self) -> None:
         """Count a step compiled here that JAX's persistent cache served, so not stored (see the step runner)."""

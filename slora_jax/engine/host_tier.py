@@ -23,6 +23,7 @@ import numpy as np
 from slora_jax.engine.device_staging import DeviceStaging, finish, staged_pages
 from slora_jax.engine.host_records import AdapterEntry, HostLoad
 from slora_jax.engine.pool import PagedPool, StagedPages
+from slora_jax.engine.read_workers import ReadWorkers, WorkerLost
 from slora_jax.lora.peft import AdapterError
 from slora_jax.lora.pool_rows import AdapterRows, layout_key
 from slora_jax.lora.sources import AdapterSource, PeftDirSource, as_source
@@ -49,11 +50,13 @@ class HostTier:
 
     ``host_budget_bytes`` bounds the host rows (``max_host_adapters`` optionally bounds their count too);
     ``max_rank`` is the largest rank ``register`` accepts; ``dtype`` the host rows' dtype; ``max_staged`` how many
-    adapters may hold staged pages on the device at once.
+    adapters may hold staged pages on the device at once; ``read_processes`` > 0 reads PEFT dirs in that many worker
+    processes (:mod:`read_workers`) instead of on the IO threads.
     """
 
     def __init__(self, model_cfg: ModelConfig, pool: PagedPool, *, host_budget_bytes: int, max_rank: int, dtype,
-                 io_threads: int = 4, max_host_adapters: int | None = None, max_staged: int = 8):
+                 io_threads: int = 4, max_host_adapters: int | None = None, max_staged: int = 8,
+                 read_processes: int = 0):
         if layout_key(model_cfg) != layout_key(pool.config):
             raise ValueError("model config and pool config describe different model shapes")
         if not 1 <= max_rank <= pool.max_rank:
@@ -78,6 +81,8 @@ class HostTier:
         self._loads: dict[str, HostLoad] = {}
         self._counts: Counter[str] = Counter()
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="adapter-io")
+        # PEFT dirs read in worker processes (their IO threads only wait): see read_workers
+        self._workers = ReadWorkers(read_processes) if read_processes else None
         self._staging = DeviceStaging(pool, self._lock, self._executor, self.max_staged)
         self._closed = False
         self.on_read: Callable[[str, float], None] | None = None  # (name, seconds) of each read: see _tell_read
@@ -357,6 +362,8 @@ class HostTier:
                     load.claimed = True
                     finish(load.future, error=AdapterError(load.entry.name, "adapter store closed"))
         self._executor.shutdown(wait=wait)
+        if self._workers is not None:
+            self._workers.close()
 
     # ---- internals: registry and reads ------------------------------------------------------------------------
 
@@ -388,12 +395,22 @@ class HostTier:
 
     def _read(self, entry: AdapterEntry) -> AdapterRows:
         """Lock not held: the adapter's rows from its source, checked against ``max_rank``."""
-        rows = entry.source.load_rows(entry.name, self.model_cfg, self.max_rank, self.dtype)
+        rows = self._load_rows(entry)
         rows = self.pool.shard_rows(rows)  # each device's share side by side when the pool is sharded
         rows.name = entry.name
         if rows.max_rank > self.max_rank:
             raise AdapterError(entry.name, f"rank {rows.max_rank} is above the maximum {self.max_rank}")
         return rows
+
+    def _load_rows(self, entry: AdapterEntry) -> AdapterRows:
+        """In a read worker when there are some and the source is a PEFT dir (a worker that fails is not the
+        adapter's fault: then read here), else on this thread."""
+        if self._workers is not None and isinstance(entry.source, PeftDirSource):
+            try:
+                return self._workers.read(entry.source, entry.name, self.model_cfg, self.max_rank, self.dtype)
+            except WorkerLost as e:
+                log.warning("%s; reading adapter %r in this process", e, entry.name)
+        return entry.source.load_rows(entry.name, self.model_cfg, self.max_rank, self.dtype)
 
     def _fetch_locked(self, entry: AdapterEntry) -> Future:
         name = entry.name

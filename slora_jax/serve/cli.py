@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adapters resident in the pool at once (default: the max batch size, so that a batch of "
                    "requests for as many different adapters can run together)")
     g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory")
+    g.add_argument("--adapter-read-processes", type=int, default=None, metavar="N",
+                   help="processes reading adapter files, so reads never wait on the engine thread (default 4 on a "
+                   "GPU, 0 on CPU: read on the IO threads)")
     g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
     e = p.add_argument_group("engine")
     e.add_argument("--pool-gb", type=float, default=None,
@@ -368,6 +371,7 @@ def build_engine_parts(args: argparse.Namespace):
         max_batch_size=batch, max_model_len=max_len,
         max_prefill_tokens=max(args.max_prefill_tokens or max_len, max_len), page_size=args.page_size,
         max_lora_rank=args.max_lora_rank, max_loras=max_loras(args, batch), max_cpu_loras=args.max_cpu_loras,
+        adapter_read_processes=args.adapter_read_processes,
         pool_bytes=pool_bytes, num_pages=args.num_pages, dtype=dtype, backend=backend, max_waiting=args.max_waiting,
         layer_loop=args.layer_loop, **scheduling_options(args),
         tensor_parallel_size=args.tensor_parallel_size, fully_sharded_loras=args.fully_sharded_loras,

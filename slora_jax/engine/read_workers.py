@@ -1,0 +1,183 @@
+"""Adapter reads in worker processes, so they never contend with the engine thread for the GIL.
+
+Why: a read of a PEFT dir is ~1000 short numpy operations, each of which releases the GIL and must win it back. In a
+server whose engine thread is busy in Python, every win-back waits up to the interpreter's switch interval (5 ms):
+on the H200 host a 7B rank-8 read that takes 40 ms alone took 350-570 ms under load (benchmarks/NOTES.md, session
+9), and admission waited on it. A worker process reads with its own interpreter; the host tier's IO thread only
+waits on a pipe (one GIL release) and takes the rows back with one file read.
+
+Protocol (one request at a time per worker): the parent writes a length-prefixed pickle of ``(source, name,
+model_cfg, max_rank, dtype, out_path)`` to the worker's stdin; the worker writes ``rows.vectors`` raw into
+``out_path`` (in a private directory on a memory file system where there is one) and answers one JSON line on its
+own copy of stdout (the real stdout is sent to stderr, so a library's print cannot break the protocol) with the
+small tables, or with the error. Requests come only from this process, so the pickle is trusted; answers from the
+worker (which reads untrusted files) are JSON and a raw array of the size the answer states, never unpickled. A
+worker exits when its stdin closes, so it never outlives its server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import queue
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from slora_jax.lora.errors import AdapterError, AdapterNotAllowed
+from slora_jax.lora.pool_rows import AdapterRows
+
+__all__ = ["ReadWorkers", "WorkerLost"]
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("<Q")
+_TABLES = ("rank", "a_off", "b_off", "scale", "layer_num_vectors")
+
+
+class WorkerLost(RuntimeError):
+    """A worker died or answered nonsense: the read should be retried another way (not the adapter's fault)."""
+
+
+class _Worker:
+    def __init__(self, env: dict[str, str]):
+        self.proc = subprocess.Popen([sys.executable, "-m", "slora_jax.engine.read_workers"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
+
+    def ask(self, request: bytes) -> dict:
+        try:
+            self.proc.stdin.write(_HEADER.pack(len(request)) + request)
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError, ValueError) as e:
+            raise WorkerLost(f"adapter read worker {self.proc.pid}: {e}") from None
+        if not line:
+            raise WorkerLost(f"adapter read worker {self.proc.pid} exited ({self.proc.poll()})")
+        try:
+            return json.loads(line)
+        except ValueError:
+            raise WorkerLost(f"adapter read worker {self.proc.pid} answered {line[:80]!r}") from None
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class ReadWorkers:
+    """``n`` worker processes reading adapter sources into :class:`AdapterRows`; thread-safe (a caller blocks until
+    a worker is free). Workers start in the background at construction; one that dies is replaced on its next use."""
+
+    def __init__(self, n: int):
+        if n < 1:
+            raise ValueError("ReadWorkers needs at least one worker")
+        shm = Path("/dev/shm")
+        self._dir = Path(tempfile.mkdtemp(prefix="slora-reads-", dir=shm if shm.is_dir() else None))
+        self._env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
+            p for p in [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")] if p)}
+        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._all: list[_Worker] = []
+        self._count = 0
+        self._closed = False
+        for _ in range(n):
+            self._idle.put(self._start())
+
+    def _start(self) -> _Worker:
+        worker = _Worker(self._env)
+        with self._lock:
+            self._all.append(worker)
+        return worker
+
+    def read(self, source, name: str, model_cfg, max_rank: int, dtype) -> AdapterRows:
+        """``source.load_rows(name, model_cfg, max_rank, dtype)`` in a worker. Raises :class:`AdapterError` (or
+        :class:`AdapterNotAllowed`) for the adapter's faults, :class:`WorkerLost` when the worker failed."""
+        if self._closed:
+            raise WorkerLost("adapter read workers closed")
+        dtype = np.dtype(dtype)
+        with self._lock:
+            self._count += 1
+            out = self._dir / f"{self._count}.bin"
+        request = pickle.dumps((source, name, model_cfg, max_rank, dtype, str(out)))
+        worker = self._idle.get()
+        try:
+            answer = worker.ask(request)
+        except WorkerLost:
+            worker.stop()
+            with self._lock:
+                self._all.remove(worker)
+            if not self._closed:
+                self._idle.put(self._start())
+            out.unlink(missing_ok=True)
+            raise
+        self._idle.put(worker)
+        try:
+            return _rows_from(answer, name, out, dtype)
+        finally:
+            out.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            workers, self._all = self._all, []
+        for worker in workers:
+            worker.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _rows_from(answer: dict, name: str, out: Path, dtype: np.dtype) -> AdapterRows:
+    if "error" in answer:
+        cls = AdapterNotAllowed if answer.get("not_allowed") else AdapterError
+        raise cls(name, str(answer["error"]))
+    try:
+        shape = tuple(int(d) for d in answer["shape"])
+        vectors = np.fromfile(out, dtype=dtype)
+        if vectors.size != int(np.prod(shape, dtype=np.int64)):
+            raise ValueError(f"{vectors.size} values for shape {shape}")
+        tables = {k: np.asarray(answer[k], dtype=answer[k + "_dtype"]) for k in _TABLES}
+    except (KeyError, TypeError, ValueError, OSError) as e:
+        raise WorkerLost(f"adapter read worker answered badly for {name!r}: {e}") from None
+    return AdapterRows(name=name, vectors=vectors.reshape(shape), **tables)
+
+
+def _serve() -> None:
+    """The worker: answer requests until stdin closes."""
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything printed goes to stderr, not into the answers
+    sys.stdout = sys.stderr
+    stdin = sys.stdin.buffer
+    while True:
+        head = stdin.read(_HEADER.size)
+        if len(head) < _HEADER.size:
+            return
+        source, name, model_cfg, max_rank, dtype, out = pickle.loads(stdin.read(_HEADER.unpack(head)[0]))
+        try:
+            rows = source.load_rows(name, model_cfg, max_rank, dtype)
+            np.ascontiguousarray(rows.vectors).tofile(out)
+            answer = {"shape": list(rows.vectors.shape)}
+            for k in _TABLES:
+                table = np.asarray(getattr(rows, k))
+                answer[k], answer[k + "_dtype"] = table.tolist(), table.dtype.str
+        except AdapterError as e:
+            answer = {"error": e.reason, "not_allowed": isinstance(e, AdapterNotAllowed)}
+        except Exception as e:  # noqa: BLE001 - reported to the parent as the adapter's failure
+            answer = {"error": f"load failed: {type(e).__name__}: {e}"}
+        proto.write(json.dumps(answer) + "\n")
+        proto.flush()
+
+
+if __name__ == "__main__":
+    _serve()

@@ -1,0 +1,139 @@
+"""Adapter reads in worker processes (engine/read_workers.py): the rows equal an in-process read bit for bit, an
+adapter's faults come back as its AdapterError (the worker keeps serving), a dead worker is replaced and its read
+retried in-process, and a store reading through workers serves the same pool contents."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+from store_helpers import assert_holds
+
+from slora_jax.engine.read_workers import ReadWorkers, WorkerLost
+from slora_jax.lora.errors import AdapterError, AdapterNotAllowed
+from slora_jax.lora.peft import load_peft_adapter
+from slora_jax.lora.sources import PeftDirSource
+from slora_jax.tools import synth
+
+TABLES = ("rank", "a_off", "b_off", "scale", "layer_num_vectors")
+
+
+@pytest.fixture(scope="module")
+def workers():
+    w = ReadWorkers(2)
+    yield w
+    w.close()
+
+
+def _adapter(tmp_path, cfg, rng, name="a", **kw):
+    kw = {"rank": int(rng.choice([2, 4, 8])), "seed": int(rng.integers(2**31)),
+          "targets": tuple(rng.choice(["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"], 3,
+                                      replace=False)), **kw}
+    return synth.write_adapter(tmp_path / name, cfg, **kw)
+
+
+def _same_rows(got, want):
+    assert got.vectors.dtype == want.vectors.dtype and got.vectors.shape == want.vectors.shape
+    assert np.array_equal(got.vectors.view(np.uint8), want.vectors.view(np.uint8))  # bit for bit
+    for k in TABLES:
+        g, w = getattr(got, k), getattr(want, k)
+        assert g.dtype == w.dtype and np.array_equal(g, w), k
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_rows_from_a_worker_equal_an_in_process_read(workers, tmp_path, tiny_cfg, rng, dtype):
+    path = _adapter(tmp_path, tiny_cfg, rng)
+    source = PeftDirSource(path)
+    want = source.load_rows("a", tiny_cfg, 16, dtype)
+    got = workers.read(source, "a", tiny_cfg, 16, dtype)
+    assert got.name == "a"
+    _same_rows(got, want)
+    assert not list(workers._dir.iterdir())  # the transfer file is gone
+
+
+def test_an_adapters_fault_is_its_error_and_the_worker_keeps_serving(workers, tmp_path, tiny_cfg, rng):
+    bad = _adapter(tmp_path, tiny_cfg, rng, "bad", rank=8)
+    with pytest.raises(AdapterError, match=r"rank 8 \(r\) is above the configured maximum 4") as e:
+        workers.read(PeftDirSource(bad), "bad", tiny_cfg, 4, np.float32)
+    assert e.value.adapter == "bad"
+    corrupt = _adapter(tmp_path, tiny_cfg, rng, "corrupt")
+    (corrupt / "adapter_model.safetensors").write_bytes(os.urandom(200))
+    with pytest.raises(AdapterError, match="'corrupt'"):
+        workers.read(PeftDirSource(corrupt), "corrupt", tiny_cfg, 16, np.float32)
+    cfg_path = corrupt / "adapter_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "r": -3}))
+    with pytest.raises(AdapterError):
+        workers.read(PeftDirSource(corrupt), "corrupt", tiny_cfg, 16, np.float32)
+    # a file outside the allowed dirs: the same class as an in-process read raises (HTTP 403)
+    outside = _adapter(tmp_path / "out", tiny_cfg, rng, "x")
+    with pytest.raises(AdapterNotAllowed):
+        workers.read(PeftDirSource(outside, allowed_roots=(tmp_path / "allowed",)), "x", tiny_cfg, 16, np.float32)
+    good = _adapter(tmp_path, tiny_cfg, rng, "good")
+    _same_rows(workers.read(PeftDirSource(good), "good", tiny_cfg, 16, np.float32),
+               PeftDirSource(good).load_rows("good", tiny_cfg, 16, np.float32))
+
+
+def test_a_dead_worker_is_replaced(tmp_path, tiny_cfg, rng):
+    w = ReadWorkers(1)
+    try:
+        path = _adapter(tmp_path, tiny_cfg, rng)
+        first = w._all[0]
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(timeout=30)
+        with pytest.raises(WorkerLost):
+            w.read(PeftDirSource(path), "a", tiny_cfg, 16, np.float32)
+        assert w._all and w._all[0] is not first
+        _same_rows(w.read(PeftDirSource(path), "a", tiny_cfg, 16, np.float32),
+                   PeftDirSource(path).load_rows("a", tiny_cfg, 16, np.float32))
+    finally:
+        w.close()
+    assert not w._dir.exists() and all(worker.proc.poll() is not None for worker in [first])
+
+
+def test_concurrent_reads_each_get_their_own_rows(workers, tmp_path, tiny_cfg, rng):
+    paths = {f"c{i}": _adapter(tmp_path, tiny_cfg, rng, f"c{i}") for i in range(6)}
+    got, errors = {}, []
+
+    def read(name):
+        try:
+            got[name] = workers.read(PeftDirSource(paths[name]), name, tiny_cfg, 16, np.float32)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=read, args=(n,)) for n in paths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and set(got) == set(paths)
+    for name, path in paths.items():
+        _same_rows(got[name], PeftDirSource(path).load_rows(name, tiny_cfg, 16, np.float32))
+
+
+def test_a_store_reading_in_workers_holds_the_adapters_and_records_failures(make_store, tmp_path, tiny_cfg, rng):
+    store = make_store(read_processes=2)
+    names = [f"s{i}" for i in range(3)]
+    for name in names:
+        store.register(name, _adapter(tmp_path, tiny_cfg, rng, name, rank=4))
+    bad = _adapter(tmp_path, tiny_cfg, rng, "late-bad", rank=4)
+    store.register("late-bad", bad)
+    (bad / "adapter_model.safetensors").write_bytes(os.urandom(100))  # broken after registration: found at read
+    for name in names:
+        store.acquire(name)
+        assert_holds(store, name, load_peft_adapter(tmp_path / name, tiny_cfg, name))
+        store.release(name)
+    with pytest.raises(AdapterError, match="late-bad"):
+        store.acquire("late-bad")
+    deadline = time.monotonic() + 30
+    while "late-bad" not in store.host.errors() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "late-bad" in store.host.errors()
+    workers_dir = store.host._workers._dir
+    store.close()
+    assert not workers_dir.exists()
