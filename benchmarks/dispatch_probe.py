@@ -202,6 +202,8 @@ class StepProbe:
         self.rows = dict((f[0], f[1]) for f in self.layout)["batch.tokens"][0]  # the bucket
 
     def call(self, packed, via=None):
+        """``packed``: the host input, a device array, or a function making it at each call (timed with it)."""
+        packed = packed() if callable(packed) else packed
         args = (self.params, self.pool, self.table, packed, self.prev, self.state)
         out, self.state, self.pool = self.fn(self.layout, *args) if via is None else via(*args)
         if self.decode:
@@ -380,6 +382,10 @@ def probe_step(engine, rec: dict, calls: int, busy: Busy, full: bool, hlo_sink=N
     if full:
         mode("jit_dev_idle", probe.idle, packed_dev)
         mode("jit_dev_inflight", probe.inflight, packed_dev)
+        # what the engine does since session 9 (StepRunner._run): a fresh device_put of the host input at each call
+        fresh = functools.partial(jax.device_put, probe.packed)
+        mode("jit_put_idle", probe.idle, fresh)
+        mode("jit_put_inflight", probe.inflight, fresh)
         if compiled is not None:
             try:
                 mode("compiled_np_idle", probe.idle, probe.packed, via=compiled)
@@ -814,6 +820,7 @@ def _row(variant: str, b: str, kind: str, s: dict) -> str:
     cells = [f"{variant:15s}", f"{b:>4s}", f"{kind + ':' + str(s.get('rows')):12s}", f"{wc('jit_np_idle'):>12s}",
              f"{wc('jit_np_inflight'):>12s}", f"{busy_cell:>10s}", f"{pair('jit_dev_idle', 'jit_dev_inflight'):>11s}",
              f"{pair('compiled_np_idle', 'compiled_np_inflight'):>11s}",
+             f"{pair('jit_put_idle', 'jit_put_inflight'):>11s}",
              f"{_c(m.get('jit_np_idle', {}).get('device')):>7s}",
              f"{_c(m.get('jit_np_inflight', {}).get('period')):>7s}"]
     cells += [f"{_c(cs.get(k), 'd'):>{w}s}" for k, w in (("while", 3), ("conditional", 3), ("custom_call", 4),
@@ -826,11 +833,12 @@ def print_table(report: dict) -> None:
           f"{report.get('nvidia_smi') or ''}")
     print("   ms wall (cpu) of the step's call: idle; infl = the previous step in flight; busy(op ms) = behind an "
           "unrelated op;\n   dev i/f = packed input already on the device (idle/inflight); comp i/f = "
-          "jax.stages.Compiled; device = call + block;\n   period = pipelined ms per step; census: while, "
-          "conditional, custom-call, fusion, kernel-like ops")
+          "jax.stages.Compiled; put i/f = a fresh device_put in each call\n   (the engine since session 9); "
+          "device = call + block; period = pipelined ms per step; census: while, conditional, custom-call, fusion, "
+          "kernel-like ops")
     print(f"   {'variant':15s} {'B':>4s} {'step:rows':12s} {'idle':>12s} {'infl':>12s} {'busy(op)':>10s} "
-          f"{'dev i/f':>11s} {'comp i/f':>11s} {'device':>7s} {'period':>7s} {'whl':>3s} {'cnd':>3s} {'cc':>4s} "
-          f"{'fus':>5s} {'kern':>5s}")
+          f"{'dev i/f':>11s} {'comp i/f':>11s} {'put i/f':>11s} {'device':>7s} {'period':>7s} {'whl':>3s} "
+          f"{'cnd':>3s} {'cc':>4s} {'fus':>5s} {'kern':>5s}")
     for v in report["variants"]:
         r = v.get("result") or {}
         if not r.get("batches"):

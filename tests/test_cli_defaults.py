@@ -26,3 +26,29 @@ def test_the_engine_built_from_the_flags_has_one_slot_per_row(tiny_dir):
                                       "--no-compilation-cache"])
     engine, _, _ = build_engine(args)
     assert engine.pool.max_slots == 3
+
+
+def test_adapter_host_memory_and_read_processes_follow_the_host_unless_set(tiny_dir, monkeypatch):
+    """Host rows: 40% of the memory available at start unless --adapter-host-gb; reads on the IO threads on CPU
+    unless --adapter-read-processes (4 worker processes on an accelerator)."""
+    from slora_jax.engine import compile_counter
+    from slora_jax.engine.config import resolve_host_budget, resolve_read_processes
+
+    assert resolve_host_budget(None, 100 << 30) == 40 << 30 and resolve_host_budget(None, 1 << 30) == 1 << 30
+    assert resolve_host_budget(None, 1 << 50) == 8 << 30 and resolve_host_budget(123, 1 << 40) == 123
+    assert resolve_read_processes(None, "cpu") == 0 and resolve_read_processes(None, "gpu") == 4
+    assert resolve_read_processes(2, "cpu") == 2
+    with pytest.raises(ValueError, match="adapter_read_processes"):
+        resolve_read_processes(-1, "gpu")
+    monkeypatch.setattr(compile_counter, "available_memory", lambda: 30 << 30)
+    base = ["--model", str(tiny_dir), "--num-pages", "128", "--max-model-len", "64", "--no-warmup",
+            "--no-compilation-cache"]
+    engine, _, _ = build_engine(build_parser().parse_args(base))
+    assert engine.store.host.host_budget_bytes == 12 << 30 and engine.store.host._workers is None
+    engine.store.close()
+    engine, _, _ = build_engine(build_parser().parse_args(base + ["--adapter-host-gb", "0.5",
+                                                                  "--adapter-read-processes", "1"]))
+    try:
+        assert engine.store.host.host_budget_bytes == 1 << 29 and engine.store.host._workers is not None
+    finally:
+        engine.store.close()

@@ -83,17 +83,22 @@ def test_a_dead_worker_is_replaced(tmp_path, tiny_cfg, rng):
     w = ReadWorkers(1)
     try:
         path = _adapter(tmp_path, tiny_cfg, rng)
+        assert not w._all  # started by the first read, not before
+        w.read(PeftDirSource(path), "a", tiny_cfg, 16, np.float32)
         first = w._all[0]
         os.kill(first.proc.pid, signal.SIGKILL)
         first.proc.wait(timeout=30)
         with pytest.raises(WorkerLost):
             w.read(PeftDirSource(path), "a", tiny_cfg, 16, np.float32)
-        assert w._all and w._all[0] is not first
+        assert first not in w._all
         _same_rows(w.read(PeftDirSource(path), "a", tiny_cfg, 16, np.float32),
                    PeftDirSource(path).load_rows("a", tiny_cfg, 16, np.float32))
+        assert len(w._all) == 1 and w._all[0] is not first  # its replacement
     finally:
         w.close()
-    assert not w._dir.exists() and all(worker.proc.poll() is not None for worker in [first])
+    assert not w._dir.exists() and first.proc.poll() is not None and not w._all
+    with pytest.raises(WorkerLost, match="closed"):
+        w.read(PeftDirSource(path), "a", tiny_cfg, 16, np.float32)
 
 
 def test_concurrent_reads_each_get_their_own_rows(workers, tmp_path, tiny_cfg, rng):

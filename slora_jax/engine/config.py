@@ -29,6 +29,15 @@ def resolve_layer_loop(layer_loop: str, platform: str) -> str:
     return "scan" if platform == "cpu" else "unroll"
 
 
+def resolve_host_budget(budget: int | None, available: int) -> int:
+    """None -> 40% of ``available`` host bytes (at least 1 GiB; 8 GiB when ``available`` is unknown, >= 2**50)."""
+    if budget is not None:
+        return int(budget)
+    if available >= 1 << 50:
+        return 8 << 30
+    return max(1 << 30, int(0.4 * available))
+
+
 def resolve_read_processes(processes: int | None, platform: str) -> int:
     """None -> 4 adapter read processes on an accelerator (where the engine thread keeps the GIL busy), 0 on CPU."""
     if processes is not None:
@@ -48,7 +57,9 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_loras: int = 64  # adapters resident in the pool at once (slots)
     max_cpu_loras: int | None = None  # adapters kept in host memory (None: bounded by host_budget_bytes only)
-    host_budget_bytes: int = 8 << 30
+    # bytes of adapter rows kept in host memory (None: 40% of the memory available when the engine starts, at least
+    # 1 GiB; 8 GiB where it cannot be read): S-LoRA keeps every adapter in host memory, so the default follows the host
+    host_budget_bytes: int | None = None
     # processes that read adapter files (engine/read_workers.py: reads then never wait on the engine thread's GIL);
     # None: 4 on an accelerator, 0 (read on the IO threads) on CPU
     adapter_read_processes: int | None = None

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +79,10 @@ class _Worker:
 
 
 class ReadWorkers:
-    """``n`` worker processes reading adapter sources into :class:`AdapterRows`; thread-safe (a caller blocks until
-    a worker is free). Workers start in the background at construction; one that dies is replaced on its next use."""
+    """Up to ``n`` worker processes reading adapter sources into :class:`AdapterRows`; thread-safe (a caller blocks
+    until a worker is free). A worker starts at the first read that finds none idle (an engine that never reads a
+    PEFT dir starts none; each costs ~2 s of imports once); one that dies is replaced. Closed by :meth:`close`, or
+    when this object is collected."""
 
     def __init__(self, n: int):
         if n < 1:
@@ -88,19 +91,28 @@ class ReadWorkers:
         self._dir = Path(tempfile.mkdtemp(prefix="slora-reads-", dir=shm if shm.is_dir() else None))
         self._env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
             p for p in [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")] if p)}
+        self._n = n
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._all: list[_Worker] = []
         self._count = 0
         self._closed = False
-        for _ in range(n):
-            self._idle.put(self._start())
+        self._finalizer = weakref.finalize(self, _stop_all, self._all, self._dir)
 
-    def _start(self) -> _Worker:
-        worker = _Worker(self._env)
-        with self._lock:
-            self._all.append(worker)
-        return worker
+    def _take(self) -> _Worker:
+        """An idle worker, a new one while fewer than ``n`` run, else the next to come back."""
+        while True:
+            try:
+                return self._idle.get(timeout=0.2)
+            except queue.Empty:
+                pass
+            with self._lock:
+                if self._closed:
+                    raise WorkerLost("adapter read workers closed")
+                if len(self._all) < self._n:
+                    worker = _Worker(self._env)
+                    self._all.append(worker)
+                    return worker
 
     def read(self, source, name: str, model_cfg, max_rank: int, dtype) -> AdapterRows:
         """``source.load_rows(name, model_cfg, max_rank, dtype)`` in a worker. Raises :class:`AdapterError` (or
@@ -112,15 +124,14 @@ class ReadWorkers:
             self._count += 1
             out = self._dir / f"{self._count}.bin"
         request = pickle.dumps((source, name, model_cfg, max_rank, dtype, str(out)))
-        worker = self._idle.get()
+        worker = self._take()
         try:
             answer = worker.ask(request)
         except WorkerLost:
             worker.stop()
             with self._lock:
-                self._all.remove(worker)
-            if not self._closed:
-                self._idle.put(self._start())
+                if worker in self._all:
+                    self._all.remove(worker)  # the next read that finds none idle starts a new one
             out.unlink(missing_ok=True)
             raise
         self._idle.put(worker)
@@ -132,10 +143,14 @@ class ReadWorkers:
     def close(self) -> None:
         self._closed = True
         with self._lock:
-            workers, self._all = self._all, []
-        for worker in workers:
-            worker.stop()
-        shutil.rmtree(self._dir, ignore_errors=True)
+            self._finalizer()
+
+
+def _stop_all(workers: list[_Worker], directory: Path) -> None:
+    """Stop every worker and remove the transfer dir (not a method: the finalizer must not hold the object)."""
+    while workers:
+        workers.pop().stop()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _rows_from(answer: dict, name: str, out: Path, dtype: np.dtype) -> AdapterRows:

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adapters resident in the pool at once (default: the max batch size, so that a batch of "
                    "requests for as many different adapters can run together)")
     g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory")
+    g.add_argument("--adapter-host-gb", type=float, default=None, metavar="GB",
+                   help="host memory for adapters read from disk (default: 40%% of the memory available at start, "
+                   "at least 1 GB), so a served adapter is read from disk once")
     g.add_argument("--adapter-read-processes", type=int, default=None, metavar="N",
                    help="processes reading adapter files, so reads never wait on the engine thread (default 4 on a "
                    "GPU, 0 on CPU: read on the IO threads)")
@@ -372,6 +375,7 @@ def build_engine_parts(args: argparse.Namespace):
         max_prefill_tokens=max(args.max_prefill_tokens or max_len, max_len), page_size=args.page_size,
         max_lora_rank=args.max_lora_rank, max_loras=max_loras(args, batch), max_cpu_loras=args.max_cpu_loras,
         adapter_read_processes=args.adapter_read_processes,
+        host_budget_bytes=None if args.adapter_host_gb is None else int(args.adapter_host_gb * 2**30),
         pool_bytes=pool_bytes, num_pages=args.num_pages, dtype=dtype, backend=backend, max_waiting=args.max_waiting,
         layer_loop=args.layer_loop, **scheduling_options(args),
         tensor_parallel_size=args.tensor_parallel_size, fully_sharded_loras=args.fully_sharded_loras,
