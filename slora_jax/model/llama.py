@@ -26,6 +26,20 @@ class LayerOps(Protocol):
         """Store k, v ([T, n_kv, hd], rotated) and attend q ([T, n_heads, hd]); returns ([T, n_heads, hd], state)."""
 
 
+def add_projection(ops: LayerOps, residual: jax.Array, x: jax.Array, y: jax.Array, modules: tuple[int, ...],
+                   layer: jax.Array, state: Any) -> jax.Array:
+    """``residual + y`` plus each row's LoRA delta of ``modules`` (o_proj, down_proj: ``y`` is the base ``x @ W``).
+
+    Ops whose ``residual_first`` is true take the residual into the base output before the LoRA kernel adds its delta
+    in place: XLA then fuses the add into the GEMM's epilogue (or split-K reduction) instead of launching it after the
+    kernel, one launch fewer per projection (64 per 7B decode step at batch 64 and 256 on the H200; the launches, not
+    the bytes, pace that step). Not under tensor parallelism, where ``y`` is a partial sum all-reduced inside
+    ``ops.lora``. The reference keeps the plain order."""
+    if getattr(ops, "residual_first", False):
+        return ops.lora(x, residual + y, modules, layer, state)
+    return residual + ops.lora(x, y, modules, layer, state)
+
+
 class RMSNorm(nn.Module):
     eps: float
 
@@ -64,12 +78,12 @@ class DecoderLayer(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn, state = ops.attend(q, k, v, layer, state)
         attn = attn.reshape(t, cfg.q_width).astype(x.dtype)
-        x = x + ops.lora(attn, Linear(cfg.hidden_size, name="o_proj")(attn), (3,), layer, state)
+        x = add_projection(ops, x, attn, Linear(cfg.hidden_size, name="o_proj")(attn), (3,), layer, state)
         h = RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm")(x)
         gu = ops.lora(h, Linear(2 * cfg.intermediate_size, name="gate_up_proj")(h), (4, 5), layer, state)
         gate, up = gu[:, : cfg.intermediate_size], gu[:, cfg.intermediate_size :]
         act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
-        x = x + ops.lora(act, Linear(cfg.hidden_size, name="down_proj")(act), (6,), layer, state)
+        x = add_projection(ops, x, act, Linear(cfg.hidden_size, name="down_proj")(act), (6,), layer, state)
         return x, state
 
 

@@ -70,6 +70,11 @@ class PagedOps:
     table: AdapterTable
     kernels: KernelBackend
 
+    @property
+    def residual_first(self) -> bool:
+        """The residual may join o/down's base output before the delta (llama.add_projection): not under TP."""
+        return self.spec.tp_size == 1
+
     def lora(self, x, y, modules, layer, pool):
         if self.spec.tp_size > 1:
             return tp_lora(self, x, y, modules, layer, pool)
