@@ -142,3 +142,31 @@ def test_a_store_reading_in_workers_holds_the_adapters_and_records_failures(make
     workers_dir = store.host._workers._dir
     store.close()
     assert not workers_dir.exists()
+
+
+class HangingSource(PeftDirSource):
+    """A PEFT dir whose read never ends (what a file crafted to make a parser spin would do)."""
+
+    def load_rows(self, name, model_cfg, max_rank, dtype):
+        time.sleep(3600)
+
+
+def test_a_read_that_hangs_is_stopped_and_fails_as_the_adapters_error(tmp_path, tiny_cfg, rng, monkeypatch):
+    """The read fails after the timeout as the adapter's error; the worker is killed and the next read gets a fresh
+    one. (The worker imports this module to unpickle the source: tests/ goes on its path.)"""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    w = ReadWorkers(1, timeout_s=3)
+    try:
+        good = _adapter(tmp_path, tiny_cfg, rng, "good")
+        w.read(PeftDirSource(good), "good", tiny_cfg, 16, np.float32)
+        first = w._all[0]
+        t0 = time.monotonic()
+        with pytest.raises(AdapterError, match="longer than 3 s") as e:
+            w.read(HangingSource(good), "stuck", tiny_cfg, 16, np.float32)
+        assert e.value.adapter == "stuck" and 3 <= time.monotonic() - t0 < 30
+        first.proc.wait(timeout=10)  # killed
+        _same_rows(w.read(PeftDirSource(good), "good", tiny_cfg, 16, np.float32),
+                   PeftDirSource(good).load_rows("good", tiny_cfg, 16, np.float32))
+        assert w._all and w._all[0] is not first
+    finally:
+        w.close()

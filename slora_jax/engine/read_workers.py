@@ -22,6 +22,7 @@ import logging
 import os
 import pickle
 import queue
+import select
 import shutil
 import struct
 import subprocess
@@ -48,15 +49,21 @@ class WorkerLost(RuntimeError):
     """A worker died or answered nonsense: the read should be retried another way (not the adapter's fault)."""
 
 
+class _TimedOut(Exception):
+    pass
+
+
 class _Worker:
     def __init__(self, env: dict[str, str]):
         self.proc = subprocess.Popen([sys.executable, "-m", "slora_jax.engine.read_workers"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env)
 
-    def ask(self, request: bytes) -> dict:
+    def ask(self, request: bytes, timeout_s: float) -> dict:
         try:
             self.proc.stdin.write(_HEADER.pack(len(request)) + request)
             self.proc.stdin.flush()
+            if not select.select([self.proc.stdout], [], [], timeout_s)[0]:
+                raise _TimedOut
             line = self.proc.stdout.readline()
         except (BrokenPipeError, OSError, ValueError) as e:
             raise WorkerLost(f"adapter read worker {self.proc.pid}: {e}") from None
@@ -67,7 +74,9 @@ class _Worker:
         except ValueError:
             raise WorkerLost(f"adapter read worker {self.proc.pid} answered {line[:80]!r}") from None
 
-    def stop(self) -> None:
+    def stop(self, kill: bool = False) -> None:
+        if kill:
+            self.proc.kill()
         try:
             self.proc.stdin.close()
         except OSError:
@@ -84,9 +93,12 @@ class ReadWorkers:
     PEFT dir starts none; each costs ~2 s of imports once); one that dies is replaced. Closed by :meth:`close`, or
     when this object is collected."""
 
-    def __init__(self, n: int):
-        if n < 1:
-            raise ValueError("ReadWorkers needs at least one worker")
+    def __init__(self, n: int, timeout_s: float = 120.0):
+        """``timeout_s``: a read still running after it is stopped (its worker killed) and fails as the adapter's
+        error, so a file crafted to make the reader spin or block ties up no IO thread for good."""
+        if n < 1 or timeout_s <= 0:
+            raise ValueError("ReadWorkers needs at least one worker and a positive timeout")
+        self.timeout_s = float(timeout_s)
         shm = Path("/dev/shm")
         self._dir = Path(tempfile.mkdtemp(prefix="slora-reads-", dir=shm if shm.is_dir() else None))
         self._env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
@@ -126,13 +138,16 @@ class ReadWorkers:
         request = pickle.dumps((source, name, model_cfg, max_rank, dtype, str(out)))
         worker = self._take()
         try:
-            answer = worker.ask(request)
-        except WorkerLost:
-            worker.stop()
+            answer = worker.ask(request, self.timeout_s)
+        except (WorkerLost, _TimedOut) as e:
+            worker.stop(kill=isinstance(e, _TimedOut))
             with self._lock:
                 if worker in self._all:
                     self._all.remove(worker)  # the next read that finds none idle starts a new one
             out.unlink(missing_ok=True)
+            if isinstance(e, _TimedOut):
+                raise AdapterError(name, f"reading it took longer than {self.timeout_s:g} s; the read was stopped") \
+                    from None
             raise
         self._idle.put(worker)
         try:
