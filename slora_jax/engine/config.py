@@ -38,6 +38,11 @@ def resolve_host_budget(budget: int | None, available: int) -> int:
     return max(1 << 30, int(0.4 * available))
 
 
+def resolve_stable_inputs(stable: bool | None, platform: str) -> bool:
+    """None -> on where the step runs as a CUDA graph (GPU), off on CPU (nothing to gain, one copy more)."""
+    return platform != "cpu" if stable is None else bool(stable)
+
+
 def resolve_read_processes(processes: int | None, platform: str) -> int:
     """None -> 4 adapter read processes on an accelerator (where the engine thread keeps the GIL busy), 0 on CPU."""
     if processes is not None:
@@ -63,6 +68,9 @@ class EngineConfig:
     # processes that read adapter files (engine/read_workers.py: reads then never wait on the engine thread's GIL);
     # None: 4 on an accelerator, 0 (read on the IO threads) on CPU
     adapter_read_processes: int | None = None
+    # the step's packed input copied into one persistent device buffer per size, so the step's CUDA graph is not
+    # updated for a moved input every call (engine/stable_inputs.py); None: on the GPU, off on CPU; single device only
+    stable_step_inputs: bool | None = None
     # adapters copied to the device ahead of their pool load (device memory outside the pool: up to this many of the
     # largest adapters); 0 = off, else at least max_prefill_seqs (the head the engine prefetches for), or the head's
     # stagings push each other out and its adapters are copied at admission, on the engine thread

@@ -53,7 +53,7 @@ NOT_IN_STEPS = frozenset({
     "pool_bytes", "num_pages", "max_waiting", "scheduling_policy", "first_token_slo_s", "early_abort",
     "vtc_input_weight", "vtc_output_weight", "vtc_reserved_slots", "adapter_lookahead", "adapter_max_bypass",
     "prefix_cache", "max_cpu_loras", "host_budget_bytes", "max_staged_adapters", "admit_while_loading",
-    "adapter_read_processes"})
+    "adapter_read_processes", "stable_step_inputs"})
 
 _active: ExecutableStore | None = None
 

@@ -28,9 +28,10 @@ from ..model.config import ATTN_MODULES, MODULES, ModelConfig
 from ..model.paged import PagedSpec, StepBatch, paged_forward
 from ..model.sharding import TensorParallel, step_parts
 from . import compile_counter, executable_store, penalties
-from .config import EngineConfig
+from .config import EngineConfig, resolve_stable_inputs
 from .logprobs import packed_logprobs
 from .sampling import MAX_LOGIT_BIAS, SamplingArrays, SamplingParams, sample, sampling_arrays
+from .stable_inputs import StableInputs
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,8 @@ class StepRunner:
             cfg, executable_store.step_settings(ecfg), interpret, self.prefill_spec, self.decode_spec, self.out_rows,
             tuple(self._decode), None if tp is None else (tp.mesh.axis_names, [d.id for d in self._devices],
                                                            tp.fully_sharded_loras))))
+        stable = resolve_stable_inputs(ecfg.stable_step_inputs, jax.default_backend()) and len(self._devices) == 1
+        self._stable = StableInputs() if stable else None
         self.last_output: StepOutput | None = None  # of the last step dispatched (its logprobs, on the device)
         self.warmup_stats: dict | None = None  # what the last warm-up compiled, ahead and in its runs
 
@@ -262,10 +265,10 @@ class StepRunner:
         return self._run(self.step_fn(kind), layout, params, pool, table, packed, self._no_prev)
 
     def _run(self, fn, layout, params, pool, table, packed, prev_tokens) -> tuple[jax.Array, jax.Array]:
-        if len(self._devices) == 1:
-            # Copied ahead as an (uncommitted, like numpy: the same compiled entry) device array: the jitted call then
-            # skips its own host-argument path, 2-5 ms of host time per 7B step on the H200 (dispatch probe, NOTES)
-            # against 0.2-0.5 ms for this copy. Under TP the step places the host array itself.
+        if self._stable is not None:  # the same device address every call (stable_inputs.py)
+            packed = self._stable.put(packed)
+        elif len(self._devices) == 1:
+            # uncommitted, like numpy (the same compiled entry); under TP the step places the host array itself
             packed = jax.device_put(packed)
         args = (params, pool, table, packed, prev_tokens, self.penalty_state)
         loaded = self._loaded.get((fn, layout)) if self._loaded else None
@@ -311,6 +314,8 @@ class StepRunner:
             build = self.build_decode([], n=n) if kind == "decode" else self.build_prefill([], n_rows=n)
             jobs.append((self.step_fn(kind, variant), *pack_inputs(*build), (kind, n, variant)))
         workers = compile_counter.compile_workers() if workers is None else workers
+        if self._stable is not None:  # the input copies compile here, counted neither ahead nor in the runs
+            self._stable.prepare(len(packed) for _, packed, _, _ in jobs)
         lowerable = all(hasattr(fn, "lower") for fn, *_ in jobs)  # jitted steps (not a test's plain function)
         store = executable_store.active() if lowerable else None
         keys = self._store_keys(store, jobs, params, pool, table) if store is not None else [None] * len(jobs)
