@@ -50,5 +50,11 @@ def test_adapter_host_memory_and_read_processes_follow_the_host_unless_set(tiny_
                                                                   "--adapter-read-processes", "1"]))
     try:
         assert engine.store.host.host_budget_bytes == 1 << 29 and engine.store.host._workers is not None
+        assert engine.runner._stable is None  # CPU default
+    finally:
+        engine.store.close()
+    engine, _, _ = build_engine(build_parser().parse_args(base + ["--stable-step-inputs"]))
+    try:
+        assert engine.runner._stable is not None
     finally:
         engine.store.close()

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "TP size, dtype and layout; else convert the HF checkpoint and save them there")
     e.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
                    help="params and pool dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    e.add_argument("--stable-step-inputs", action=argparse.BooleanOptionalAction, default=None,
+                   help="copy each step's input into one persistent device buffer, so the step's CUDA graph is not "
+                   "updated every call (default: on on a GPU, off on CPU)")
     e.add_argument("--no-warmup", action="store_true", help="compile step buckets on first use instead of now")
     e.add_argument("--compilation-cache-dir", type=Path, default=Path(os.environ.get(
                        "SLORA_JAX_CACHE_DIR", Path.home() / ".cache" / "slora_jax")) / "xla",
@@ -374,7 +377,7 @@ def build_engine_parts(args: argparse.Namespace):
         max_batch_size=batch, max_model_len=max_len,
         max_prefill_tokens=max(args.max_prefill_tokens or max_len, max_len), page_size=args.page_size,
         max_lora_rank=args.max_lora_rank, max_loras=max_loras(args, batch), max_cpu_loras=args.max_cpu_loras,
-        adapter_read_processes=args.adapter_read_processes,
+        adapter_read_processes=args.adapter_read_processes, stable_step_inputs=args.stable_step_inputs,
         host_budget_bytes=None if args.adapter_host_gb is None else int(args.adapter_host_gb * 2**30),
         pool_bytes=pool_bytes, num_pages=args.num_pages, dtype=dtype, backend=backend, max_waiting=args.max_waiting,
         layer_loop=args.layer_loop, **scheduling_options(args),
