@@ -33,6 +33,7 @@ def test_adapter_host_memory_and_read_processes_follow_the_host_unless_set(tiny_
     unless --adapter-read-processes (4 worker processes on an accelerator)."""
     from slora_jax.engine import compile_counter
     from slora_jax.engine.config import resolve_host_budget, resolve_read_processes
+    from slora_jax.engine.read_workers import InlineReader, ReadWorkers
 
     assert resolve_host_budget(None, 100 << 30) == 40 << 30 and resolve_host_budget(None, 1 << 30) == 1 << 30
     assert resolve_host_budget(None, 1 << 50) == 8 << 30 and resolve_host_budget(123, 1 << 40) == 123
@@ -44,12 +45,12 @@ def test_adapter_host_memory_and_read_processes_follow_the_host_unless_set(tiny_
     base = ["--model", str(tiny_dir), "--num-pages", "128", "--max-model-len", "64", "--no-warmup",
             "--no-compilation-cache"]
     engine, _, _ = build_engine(build_parser().parse_args(base))
-    assert engine.store.host.host_budget_bytes == 12 << 30 and engine.store.host._workers is None
+    assert engine.store.host.host_budget_bytes == 12 << 30 and isinstance(engine.store.host._reader, InlineReader)
     engine.store.close()
     engine, _, _ = build_engine(build_parser().parse_args(base + ["--adapter-host-gb", "0.5",
                                                                   "--adapter-read-processes", "1"]))
     try:
-        assert engine.store.host.host_budget_bytes == 1 << 29 and engine.store.host._workers is not None
+        assert engine.store.host.host_budget_bytes == 1 << 29 and isinstance(engine.store.host._reader, ReadWorkers)
         assert engine.runner._stable is None  # CPU default
     finally:
         engine.store.close()

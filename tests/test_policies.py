@@ -169,15 +169,22 @@ def test_early_abort_never_serves_late_nor_aborts_what_could_make_it():
 
 
 def test_early_abort_serves_more_within_deadline_than_fcfs():
+    """Over three random overload traces: never fewer within the deadline, and well more in all (one trace alone
+    ranged 1.06-3x of FCFS over 60 seeds, so a 1.2x bound on one trace failed 3% of runs; three summed: >= 1.96x
+    over 30 groups)."""
     rng = np.random.default_rng()
-    trace = overload_trace(rng, rate=40.0, seconds=20.0, slo_s=1.0)
 
     def within_slo(seqs):
         return sum(1 for s in seqs if s.first_token_time is not None and s.first_token_time <= s.deadline)
 
-    fcfs, *_ = simulate(base_cfg(), trace)
-    abort, *_ = simulate(base_cfg(scheduling_policy="slo", early_abort=True), trace)
-    assert within_slo(abort) > 1.2 * within_slo(fcfs), (within_slo(abort), within_slo(fcfs))
+    counts = []
+    for _ in range(3):
+        trace = overload_trace(rng, rate=40.0, seconds=20.0, slo_s=1.0)
+        fcfs, *_ = simulate(base_cfg(), trace)
+        abort, *_ = simulate(base_cfg(scheduling_policy="slo", early_abort=True), trace)
+        counts.append((within_slo(abort), within_slo(fcfs)))
+    assert all(a >= f for a, f in counts), counts
+    assert sum(a for a, _ in counts) > 1.5 * sum(f for _, f in counts), counts
 
 
 def test_without_deadlines_nothing_is_aborted():

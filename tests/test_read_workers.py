@@ -139,7 +139,7 @@ def test_a_store_reading_in_workers_holds_the_adapters_and_records_failures(make
     while "late-bad" not in store.host.errors() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "late-bad" in store.host.errors()
-    workers_dir = store.host._workers._dir
+    workers_dir = store.host._reader._dir
     store.close()
     assert not workers_dir.exists()
 

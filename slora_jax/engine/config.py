@@ -137,6 +137,12 @@ class EngineConfig:
         unset = {k: v for k, v in tiles.items() if getattr(self, k) is None}
         return dataclasses.replace(self, **unset) if unset else self
 
+    def with_host_defaults(self, platform: str, available_bytes: int) -> EngineConfig:
+        """Unset host settings resolved for this host: adapter host memory and adapter read processes."""
+        return dataclasses.replace(
+            self, host_budget_bytes=resolve_host_budget(self.host_budget_bytes, available_bytes),
+            adapter_read_processes=resolve_read_processes(self.adapter_read_processes, platform))
+
     def validate(self) -> EngineConfig:
         for name in ("max_batch_size", "max_prefill_tokens", "max_prefill_seqs", "max_model_len", "page_size",
                      "max_lora_rank", "max_loras", "tensor_parallel_size"):

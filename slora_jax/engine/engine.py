@@ -30,7 +30,7 @@ from ..model.sharding import TensorParallel
 from . import compile_counter, offline
 from .adapter_mixes import AdapterMixes
 from .adapter_store import AdapterStore
-from .config import EngineConfig, resolve_host_budget, resolve_layer_loop, resolve_read_processes
+from .config import EngineConfig, resolve_layer_loop
 from .detok import IncrementalDetokenizer
 from .grammar import GrammarMatcher, prepare_grammar_rows
 from .logprobs import StepLogprobs
@@ -89,12 +89,10 @@ class Engine:
         self.pool = PagedPool(cfg, page_size=ecfg.page_size, max_slots=ecfg.max_loras, max_rank=ecfg.max_lora_rank,
                               num_pages=ecfg.num_pages, memory_bytes=None if ecfg.num_pages else ecfg.pool_bytes,
                               dtype=dtype, tp=self.tp)
-        host_budget = resolve_host_budget(ecfg.host_budget_bytes, compile_counter.available_memory())
-        self.store = AdapterStore(cfg, self.pool, host_budget_bytes=host_budget,
-                                  max_rank=ecfg.max_lora_rank, dtype=np.dtype(dtype),
-                                  max_host_adapters=ecfg.max_cpu_loras, max_staged=ecfg.max_staged_adapters,
-                                  read_processes=resolve_read_processes(ecfg.adapter_read_processes,
-                                                                        jax.default_backend()))
+        ecfg = self.ecfg = ecfg.with_host_defaults(jax.default_backend(), compile_counter.available_memory())
+        self.store = AdapterStore(cfg, self.pool, host_budget_bytes=ecfg.host_budget_bytes, max_rank=ecfg.max_lora_rank,
+                                  dtype=np.dtype(dtype), max_host_adapters=ecfg.max_cpu_loras,
+                                  max_staged=ecfg.max_staged_adapters, read_processes=ecfg.adapter_read_processes)
         self.scheduler = Scheduler(ecfg, self.pool, self.store)
         self.mixes = AdapterMixes(self.store, lambda: [seq.adapter for seq in self.requests.values()])
         self.runner = StepRunner(cfg, ecfg, interpret=interpret, tp=self.tp)

@@ -23,7 +23,7 @@ import numpy as np
 from slora_jax.engine.device_staging import DeviceStaging, finish, staged_pages
 from slora_jax.engine.host_records import AdapterEntry, HostLoad
 from slora_jax.engine.pool import PagedPool, StagedPages
-from slora_jax.engine.read_workers import ReadWorkers, WorkerLost
+from slora_jax.engine.read_workers import adapter_reader
 from slora_jax.lora.peft import AdapterError
 from slora_jax.lora.pool_rows import AdapterRows, layout_key
 from slora_jax.lora.sources import AdapterSource, PeftDirSource, as_source
@@ -50,8 +50,7 @@ class HostTier:
 
     ``host_budget_bytes`` bounds the host rows (``max_host_adapters`` optionally bounds their count too);
     ``max_rank`` is the largest rank ``register`` accepts; ``dtype`` the host rows' dtype; ``max_staged`` how many
-    adapters may hold staged pages on the device at once; ``read_processes`` > 0 reads PEFT dirs in that many worker
-    processes (:mod:`read_workers`) instead of on the IO threads.
+    adapters may hold staged pages on the device at once; ``read_processes``: see :func:`read_workers.adapter_reader`.
     """
 
     def __init__(self, model_cfg: ModelConfig, pool: PagedPool, *, host_budget_bytes: int, max_rank: int, dtype,
@@ -65,11 +64,8 @@ class HostTier:
                 or (max_host_adapters is not None and max_host_adapters < 0)):
             raise ValueError("host_budget_bytes, max_host_adapters, max_staged must be >= 0 and io_threads >= 1")
         self.model_cfg, self.pool = model_cfg, pool  # of the pool: only constants and the thread-safe ``stage``
-        self.max_rank = int(max_rank)
-        self.dtype = np.dtype(dtype)
-        self.host_budget_bytes = int(host_budget_bytes)
-        self.max_host_adapters = max_host_adapters
-        self.max_staged = int(max_staged)
+        self.max_rank, self.max_staged, self.dtype = int(max_rank), int(max_staged), np.dtype(dtype)
+        self.host_budget_bytes, self.max_host_adapters = int(host_budget_bytes), max_host_adapters
         self._widths = pool.vectors_per_rank  # pool vectors per unit of rank, per module (per device under TP)
 
         self._lock = threading.Lock()  # guards everything below
@@ -81,8 +77,7 @@ class HostTier:
         self._loads: dict[str, HostLoad] = {}
         self._counts: Counter[str] = Counter()
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="adapter-io")
-        # PEFT dirs read in worker processes (their IO threads only wait): see read_workers
-        self._workers = ReadWorkers(read_processes) if read_processes else None
+        self._reader = adapter_reader(read_processes)  # PEFT dirs in worker processes, if any (IO threads wait)
         self._staging = DeviceStaging(pool, self._lock, self._executor, self.max_staged)
         self._closed = False
         self.on_read: Callable[[str, float], None] | None = None  # (name, seconds) of each read: see _tell_read
@@ -342,8 +337,7 @@ class HostTier:
         """Counts and IO counters; ``source_only`` counts registered adapters neither in host memory nor in
         ``elsewhere`` (the pool tier passes its resident ones)."""
         with self._lock:
-            registered = len(self._entries)
-            held = set(self._host).union(elsewhere)
+            registered, held = len(self._entries), set(self._host).union(elsewhere)
             stats = {"registered": registered, "in_host": len(self._host), "source_only": registered - len(held),
                      "loading": len(self._loads), "failed": len(self._errors), "staged": len(self._staging),
                      "host_bytes": self._host_bytes, "host_budget_bytes": self.host_budget_bytes}
@@ -362,8 +356,7 @@ class HostTier:
                     load.claimed = True
                     finish(load.future, error=AdapterError(load.entry.name, "adapter store closed"))
         self._executor.shutdown(wait=wait)
-        if self._workers is not None:
-            self._workers.close()
+        self._reader.close()
 
     # ---- internals: registry and reads ------------------------------------------------------------------------
 
@@ -395,22 +388,12 @@ class HostTier:
 
     def _read(self, entry: AdapterEntry) -> AdapterRows:
         """Lock not held: the adapter's rows from its source, checked against ``max_rank``."""
-        rows = self._load_rows(entry)
+        rows = self._reader.load_rows(entry.source, entry.name, self.model_cfg, self.max_rank, self.dtype)
         rows = self.pool.shard_rows(rows)  # each device's share side by side when the pool is sharded
         rows.name = entry.name
         if rows.max_rank > self.max_rank:
             raise AdapterError(entry.name, f"rank {rows.max_rank} is above the maximum {self.max_rank}")
         return rows
-
-    def _load_rows(self, entry: AdapterEntry) -> AdapterRows:
-        """In a read worker when there are some and the source is a PEFT dir (a worker that fails is not the
-        adapter's fault: then read here), else on this thread."""
-        if self._workers is not None and isinstance(entry.source, PeftDirSource):
-            try:
-                return self._workers.read(entry.source, entry.name, self.model_cfg, self.max_rank, self.dtype)
-            except WorkerLost as e:
-                log.warning("%s; reading adapter %r in this process", e, entry.name)
-        return entry.source.load_rows(entry.name, self.model_cfg, self.max_rank, self.dtype)
 
     def _fetch_locked(self, entry: AdapterEntry) -> Future:
         name = entry.name

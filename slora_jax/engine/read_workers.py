@@ -36,8 +36,9 @@ import numpy as np
 
 from slora_jax.lora.errors import AdapterError, AdapterNotAllowed
 from slora_jax.lora.pool_rows import AdapterRows
+from slora_jax.lora.sources import PeftDirSource
 
-__all__ = ["ReadWorkers", "WorkerLost"]
+__all__ = ["InlineReader", "ReadWorkers", "WorkerLost", "adapter_reader"]
 
 log = logging.getLogger(__name__)
 
@@ -155,10 +156,36 @@ class ReadWorkers:
         finally:
             out.unlink(missing_ok=True)
 
+    def load_rows(self, source, name: str, model_cfg, max_rank: int, dtype) -> AdapterRows:
+        """A PEFT dir's rows from a worker (one that fails is not the adapter's fault: then read here); any other
+        source (in memory, synthetic) reads on the calling thread."""
+        if isinstance(source, PeftDirSource):
+            try:
+                return self.read(source, name, model_cfg, max_rank, dtype)
+            except WorkerLost as e:
+                log.warning("%s; reading adapter %r in this process", e, name)
+        return source.load_rows(name, model_cfg, max_rank, dtype)
+
     def close(self) -> None:
         self._closed = True
         with self._lock:
             self._finalizer()
+
+
+class InlineReader:
+    """Every source read on the calling thread (no worker processes)."""
+
+    @staticmethod
+    def load_rows(source, name: str, model_cfg, max_rank: int, dtype) -> AdapterRows:
+        return source.load_rows(name, model_cfg, max_rank, dtype)
+
+    def close(self) -> None:
+        pass
+
+
+def adapter_reader(processes: int) -> ReadWorkers | InlineReader:
+    """What reads adapter sources for the host tier: ``processes`` > 0 worker processes for PEFT dirs, else inline."""
+    return ReadWorkers(processes) if processes else InlineReader()
 
 
 def _stop_all(workers: list[_Worker], directory: Path) -> None:
