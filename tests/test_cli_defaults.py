@@ -59,3 +59,19 @@ def test_adapter_host_memory_and_read_processes_follow_the_host_unless_set(tiny_
         assert engine.runner._stable is not None
     finally:
         engine.store.close()
+
+
+def test_available_memory_follows_a_cgroup_limit(tmp_path):
+    """A container's memory limit (cgroup v2 or v1) bounds what the host defaults see; "max" is no limit."""
+    from slora_jax.engine.compile_counter import _cgroup_room
+
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    files = ((str(limit), str(usage)),)
+    usage.write_text("3000\n")
+    limit.write_text("10000\n")
+    assert _cgroup_room(files) == 7000
+    limit.write_text("max\n")
+    assert _cgroup_room(files) is None
+    limit.write_text("2000\n")
+    assert _cgroup_room(files) == 0
+    assert _cgroup_room(((str(tmp_path / "none"), str(usage)),)) is None

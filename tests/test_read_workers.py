@@ -144,6 +144,13 @@ def test_a_store_reading_in_workers_holds_the_adapters_and_records_failures(make
     assert not workers_dir.exists()
 
 
+class CrashingSource(PeftDirSource):
+    """A PEFT dir whose read kills the reading process (what a file crafted to crash a parser would do)."""
+
+    def load_rows(self, name, model_cfg, max_rank, dtype):
+        os._exit(7)
+
+
 class HangingSource(PeftDirSource):
     """A PEFT dir whose read never ends (what a file crafted to make a parser spin would do)."""
 
@@ -170,3 +177,62 @@ def test_a_read_that_hangs_is_stopped_and_fails_as_the_adapters_error(tmp_path, 
         assert w._all and w._all[0] is not first
     finally:
         w.close()
+
+
+def test_a_read_that_kills_its_worker_twice_fails_as_the_adapters_error_never_in_process(tmp_path, tiny_cfg, rng,
+                                                                                           monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    w = ReadWorkers(1)
+    try:
+        good = _adapter(tmp_path, tiny_cfg, rng, "good")
+        with pytest.raises(AdapterError, match="stopped the reader twice") as e:
+            w.load_rows(CrashingSource(good), "boom", tiny_cfg, 16, np.float32)  # not retried in this process
+        assert e.value.adapter == "boom"
+        _same_rows(w.load_rows(PeftDirSource(good), "good", tiny_cfg, 16, np.float32),
+                   PeftDirSource(good).load_rows("good", tiny_cfg, 16, np.float32))
+    finally:
+        w.close()
+
+
+def test_rows_that_cannot_be_handed_over_are_read_in_process(tmp_path, tiny_cfg, rng):
+    """The transfer dir unusable (a full /dev/shm): not the adapter's fault; ``load_rows`` reads it here instead."""
+    w = ReadWorkers(1)
+    try:
+        good = _adapter(tmp_path, tiny_cfg, rng, "good")
+        real, w._dir = w._dir, tmp_path / "gone"  # writes there fail
+        with pytest.raises(WorkerLost, match="could not hand"):
+            w.read(PeftDirSource(good), "good", tiny_cfg, 16, np.float32)
+        _same_rows(w.load_rows(PeftDirSource(good), "good", tiny_cfg, 16, np.float32),
+                   PeftDirSource(good).load_rows("good", tiny_cfg, 16, np.float32))
+        assert len(w._all) == 1  # the worker was fine and stays
+        w._dir = real
+    finally:
+        w.close()
+
+
+def test_reads_work_with_descriptors_above_1024(tmp_path, tiny_cfg, rng):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the descriptor limit ({hard}) is below 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    good = _adapter(tmp_path, tiny_cfg, rng, "good")
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    high = []
+    try:
+        for _ in range(3):  # a descriptor another thread closed meanwhile may be reused: then try again
+            w = ReadWorkers(1)
+            try:
+                _same_rows(w.read(PeftDirSource(good), "good", tiny_cfg, 16, np.float32),
+                           PeftDirSource(good).load_rows("good", tiny_cfg, 16, np.float32))
+                high.append(w._all[0].proc.stdout.fileno() > 1024)
+            finally:
+                w.close()
+            if high[-1]:
+                break
+        assert any(high), "the worker's pipe never got a descriptor above 1024"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

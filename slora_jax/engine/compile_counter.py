@@ -93,12 +93,33 @@ def persistent_cache_enabled() -> bool:
 
 
 def available_memory() -> int:
-    """Host memory available to new allocations (MemAvailable), or a large number where it cannot be read."""
+    """Host memory available to new allocations: MemAvailable, or less where this process's cgroup (a container's
+    memory limit) leaves less; a large number where neither can be read."""
+    room = 1 << 50
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    room = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return 1 << 50
+    cgroup = _cgroup_room()
+    return room if cgroup is None else min(room, cgroup)
+
+
+_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # v2
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def _cgroup_room(files=_CGROUP_FILES) -> int | None:
+    """Bytes left under the cgroup's memory limit, or None without a limit (or where it cannot be read)."""
+    for limit_file, usage_file in files:
+        try:
+            limit, usage = Path(limit_file).read_text().strip(), int(Path(usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+            return None
+        return max(0, int(limit) - usage)
+    return None

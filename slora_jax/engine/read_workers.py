@@ -54,26 +54,39 @@ class _TimedOut(Exception):
     pass
 
 
+class _Crashed(WorkerLost):
+    """The worker took the request, then died or answered nonsense: maybe the adapter's doing (a crafted file), so
+    its read is retried in a fresh worker once, never in the server's own process."""
+
+
 class _Worker:
     def __init__(self, env: dict[str, str]):
-        self.proc = subprocess.Popen([sys.executable, "-m", "slora_jax.engine.read_workers"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "slora_jax.engine.read_workers"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        except OSError as e:
+            raise WorkerLost(f"cannot start an adapter read worker: {e}") from None
+        self._poll = select.poll()  # not select.select: it refuses descriptors above 1024 (a busy server has them)
+        self._poll.register(self.proc.stdout, select.POLLIN)
 
     def ask(self, request: bytes, timeout_s: float) -> dict:
         try:
             self.proc.stdin.write(_HEADER.pack(len(request)) + request)
             self.proc.stdin.flush()
-            if not select.select([self.proc.stdout], [], [], timeout_s)[0]:
+        except (OSError, ValueError) as e:  # it was gone before it took the request
+            raise WorkerLost(f"adapter read worker {self.proc.pid}: {e}") from None
+        try:
+            if not self._poll.poll(timeout_s * 1000):
                 raise _TimedOut
             line = self.proc.stdout.readline()
-        except (BrokenPipeError, OSError, ValueError) as e:
-            raise WorkerLost(f"adapter read worker {self.proc.pid}: {e}") from None
+        except (OSError, ValueError) as e:
+            raise _Crashed(f"adapter read worker {self.proc.pid}: {e}") from None
         if not line:
-            raise WorkerLost(f"adapter read worker {self.proc.pid} exited ({self.proc.poll()})")
+            raise _Crashed(f"adapter read worker {self.proc.pid} exited ({self.proc.poll()}) while reading")
         try:
             return json.loads(line)
         except ValueError:
-            raise WorkerLost(f"adapter read worker {self.proc.pid} answered {line[:80]!r}") from None
+            raise _Crashed(f"adapter read worker {self.proc.pid} answered {line[:80]!r}") from None
 
     def stop(self, kill: bool = False) -> None:
         if kill:
@@ -88,6 +101,17 @@ class _Worker:
             self.proc.kill()
 
 
+def _transfer_dir() -> Path:
+    """A private dir for the rows in transit: on /dev/shm when it has room (containers often give it 64 MB, less
+    than two 7B adapters), else in the default temp dir."""
+    shm = Path("/dev/shm")
+    try:
+        roomy = shm.is_dir() and shutil.disk_usage(shm).free >= 1 << 30
+    except OSError:
+        roomy = False
+    return Path(tempfile.mkdtemp(prefix="slora-reads-", dir=shm if roomy else None))
+
+
 class ReadWorkers:
     """Up to ``n`` worker processes reading adapter sources into :class:`AdapterRows`; thread-safe (a caller blocks
     until a worker is free). A worker starts at the first read that finds none idle (an engine that never reads a
@@ -100,8 +124,7 @@ class ReadWorkers:
         if n < 1 or timeout_s <= 0:
             raise ValueError("ReadWorkers needs at least one worker and a positive timeout")
         self.timeout_s = float(timeout_s)
-        shm = Path("/dev/shm")
-        self._dir = Path(tempfile.mkdtemp(prefix="slora-reads-", dir=shm if shm.is_dir() else None))
+        self._dir = _transfer_dir()
         self._env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
             p for p in [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")] if p)}
         self._n = n
@@ -116,7 +139,7 @@ class ReadWorkers:
         """An idle worker, a new one while fewer than ``n`` run, else the next to come back."""
         while True:
             try:
-                return self._idle.get(timeout=0.2)
+                return self._idle.get_nowait()
             except queue.Empty:
                 pass
             with self._lock:
@@ -126,10 +149,21 @@ class ReadWorkers:
                     worker = _Worker(self._env)
                     self._all.append(worker)
                     return worker
+            try:
+                return self._idle.get(timeout=0.2)
+            except queue.Empty:
+                pass
+
+    def _drop(self, worker: _Worker) -> None:
+        worker.stop(kill=True)
+        with self._lock:
+            if worker in self._all:
+                self._all.remove(worker)  # the next read that finds none idle starts a new one
 
     def read(self, source, name: str, model_cfg, max_rank: int, dtype) -> AdapterRows:
         """``source.load_rows(name, model_cfg, max_rank, dtype)`` in a worker. Raises :class:`AdapterError` (or
-        :class:`AdapterNotAllowed`) for the adapter's faults, :class:`WorkerLost` when the worker failed."""
+        :class:`AdapterNotAllowed`) for the adapter's faults (a read past the timeout, or one that killed two
+        workers, included), :class:`WorkerLost` when the workers failed for reasons of their own."""
         if self._closed:
             raise WorkerLost("adapter read workers closed")
         dtype = np.dtype(dtype)
@@ -137,24 +171,30 @@ class ReadWorkers:
             self._count += 1
             out = self._dir / f"{self._count}.bin"
         request = pickle.dumps((source, name, model_cfg, max_rank, dtype, str(out)))
-        worker = self._take()
-        try:
-            answer = worker.ask(request, self.timeout_s)
-        except (WorkerLost, _TimedOut) as e:
-            worker.stop(kill=isinstance(e, _TimedOut))
-            with self._lock:
-                if worker in self._all:
-                    self._all.remove(worker)  # the next read that finds none idle starts a new one
-            out.unlink(missing_ok=True)
-            if isinstance(e, _TimedOut):
-                raise AdapterError(name, f"reading it took longer than {self.timeout_s:g} s; the read was stopped") \
-                    from None
-            raise
-        self._idle.put(worker)
-        try:
-            return _rows_from(answer, name, out, dtype)
-        finally:
-            out.unlink(missing_ok=True)
+        for attempt in (1, 2):
+            worker = self._take()
+            try:
+                answer = worker.ask(request, self.timeout_s)
+            except BaseException as e:  # whatever happened (an interrupt too), this worker is not handed out again
+                self._drop(worker)
+                out.unlink(missing_ok=True)
+                if isinstance(e, _TimedOut):
+                    raise AdapterError(name, f"reading it took longer than {self.timeout_s:g} s; the read was "
+                                             "stopped") from None
+                if isinstance(e, _Crashed) and attempt == 1:
+                    log.warning("%s; reading adapter %r again in a fresh worker", e, name)
+                    continue
+                if isinstance(e, _Crashed):
+                    raise AdapterError(name, f"reading it stopped the reader twice ({e})") from None
+                raise
+            self._idle.put(worker)
+            try:
+                if "transport" in answer:  # read, but not handed over (the transfer dir full): read it here
+                    raise WorkerLost(f"adapter read worker could not hand {name!r} over: {answer['transport']}")
+                return _rows_from(answer, name, out, dtype)
+            finally:
+                out.unlink(missing_ok=True)
+        raise AssertionError("unreachable")
 
     def load_rows(self, source, name: str, model_cfg, max_rank: int, dtype) -> AdapterRows:
         """A PEFT dir's rows from a worker (one that fails is not the adapter's fault: then read here); any other
@@ -221,9 +261,9 @@ def _serve() -> None:
         if len(head) < _HEADER.size:
             return
         source, name, model_cfg, max_rank, dtype, out = pickle.loads(stdin.read(_HEADER.unpack(head)[0]))
+        rows = None
         try:
             rows = source.load_rows(name, model_cfg, max_rank, dtype)
-            np.ascontiguousarray(rows.vectors).tofile(out)
             answer = {"shape": list(rows.vectors.shape)}
             for k in _TABLES:
                 table = np.asarray(getattr(rows, k))
@@ -232,8 +272,19 @@ def _serve() -> None:
             answer = {"error": e.reason, "not_allowed": isinstance(e, AdapterNotAllowed)}
         except Exception as e:  # noqa: BLE001 - reported to the parent as the adapter's failure
             answer = {"error": f"load failed: {type(e).__name__}: {e}"}
-        proto.write(json.dumps(answer) + "\n")
-        proto.flush()
+        if rows is not None:
+            try:  # a failed hand-over is not the adapter's fault: the parent reads it itself
+                np.ascontiguousarray(rows.vectors).tofile(out)
+            except OSError as e:
+                answer = {"transport": f"{type(e).__name__}: {e}"}
+                Path(out).unlink(missing_ok=True)
+        del rows  # an idle worker holds no adapter
+        try:
+            proto.write(json.dumps(answer) + "\n")
+            proto.flush()
+        except OSError:  # the parent is gone
+            Path(out).unlink(missing_ok=True)
+            return
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ requests are aborted, the last outputs sent, and the process exits, so it never 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import logging
 import os
@@ -224,6 +225,8 @@ def run(conn, factory, factory_args: tuple, defer_hand_over: bool = False, log_l
     finally:
         worker.stop()  # open requests end (abort) and their last outputs are queued
         asks.shutdown(wait=False, cancel_futures=True)
+        with contextlib.suppress(Exception):  # its read workers and their transfer dir (os._exit runs no finalizer)
+            engine.store.close(wait=False)
         sender.close()
         conn.close()
         logging.shutdown()
