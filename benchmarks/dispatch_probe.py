@@ -187,20 +187,6 @@ class Recorder:
         runner._run = run  # noqa: SLF001
 
 
-class StableInput:
-    """Called per step: a fresh ``device_put`` of the host input, written by a tiny jitted copy into one persistent
-    donated buffer (its output aliases it), so the step reads its input at the same address every call."""
-
-    def __init__(self, jax, packed_dev):
-        self.jax, self.host = jax, np.asarray(packed_dev)
-        self.buf = jax.numpy.array(packed_dev)  # a buffer of our own (donated below)
-        self.copy_in = jax.jit(lambda buf, x: buf.at[:].set(x), donate_argnums=0)
-
-    def __call__(self):
-        self.buf = self.copy_in(self.buf, self.jax.device_put(self.host))
-        return self.buf
-
-
 class StepProbe:
     """Calls one recorded step directly, threading the donated pool and penalty state (given back to the engine at
     the end); a decode step takes the previous call's tokens as its ``prev_tokens``, as serving does."""
@@ -398,13 +384,15 @@ def probe_step(engine, rec: dict, calls: int, busy: Busy, full: bool, hlo_sink=N
     if full:
         mode("jit_dev_idle", probe.idle, packed_dev)
         mode("jit_dev_inflight", probe.inflight, packed_dev)
-        # what the engine does since session 9 (StepRunner._run): a fresh device_put of the host input at each call
+        # the engine with --no-stable-step-inputs (StepRunner._run): a fresh device_put of the host input each call
         fresh = functools.partial(jax.device_put, probe.packed)
         mode("jit_put_idle", probe.idle, fresh)
         mode("jit_put_inflight", probe.inflight, fresh)
         # stable addresses (NOTES, session 9: the CUDA graph is updated when an allocation it uses moves): a fresh
         # device_put copied by a tiny donated executable into one persistent buffer, read by the step at one address
-        stable = StableInput(jax, packed_dev)
+        from slora_jax.engine.stable_inputs import StableInputs  # the engine's own copy-in (stable_step_inputs)
+
+        stable = functools.partial(StableInputs().put, probe.packed)
         mode("jit_stable_idle", probe.idle, stable)
         mode("jit_stable_inflight", probe.inflight, stable)
         # the bound: the same packed buffer and the same prev-tokens buffer every call (only outputs move)
@@ -524,7 +512,7 @@ def child(args) -> None:
     """One XLA_FLAGS variant: every batch size in order; the JSON is rewritten after each, so a process cut by its
     time share still reports what it measured."""
     import jax
-    from host_step import sampling_mix
+    from host_step import end_requests, sampling_mix
 
     from slora_jax.engine import compile_counter
 
@@ -599,12 +587,7 @@ def child(args) -> None:
                 else:
                     result["trace"] = {"skipped": f"{left:.0f} s left"}
                 save()
-            for rid in ids:
-                engine.abort(rid)
-            while engine.has_unfinished():
-                engine.step()
-            for rid in ids:
-                engine.release(rid)
+            end_requests(engine, ids)
     finally:
         if hlo_file is not None:
             hlo_file.close()
@@ -862,9 +845,9 @@ def print_table(report: dict) -> None:
           f"{report.get('nvidia_smi') or ''}")
     print("   ms wall (cpu) of the step's call: idle; infl = the previous step in flight; busy(op ms) = behind an "
           "unrelated op;\n   dev i/f = packed input already on the device (idle/inflight); comp i/f = "
-          "jax.stages.Compiled; put i/f = a fresh device_put in each call\n   (the engine since session 9); "
-          "stable i/f = that put copied into one persistent buffer; fixed i/f = the same input and prev-token buffers "
-          "every call; "
+          "jax.stages.Compiled; put i/f = a fresh device_put in each call\n   (the engine with "
+          "--no-stable-step-inputs); stable i/f = that put copied into one persistent buffer (the engine's default on "
+          "a GPU); fixed i/f = the same input and prev-token buffers every call; "
           "device = call + block; period = pipelined ms per step; census: while, conditional, custom-call, fusion, "
           "kernel-like ops")
     print(f"   {'variant':15s} {'B':>4s} {'step:rows':12s} {'idle':>12s} {'infl':>12s} {'busy(op)':>10s} "

@@ -532,8 +532,7 @@ def main(argv=None) -> int:
                                                        "max_prefill_tokens", "max_model_len", "max_cpu_loras",
                                                        "host_budget_bytes", "max_staged_adapters", "pool_bytes",
                                                        "num_pages", "backend", "dtype", "adapter_read_processes")},
-              "host_budget_bytes": engine.store.host.host_budget_bytes, "pool_pages": engine.pool.num_pages,
-              "cpus": os.cpu_count()}
+              "pool_pages": engine.pool.num_pages, "cpus": os.cpu_count()}
     print(f"device {report['device']}  jax {jax.__version__}  commit {report['git_commit'][:12]}  engine ready in "
           f"{startup_s:.0f} s, pool {engine.pool.num_pages} pages, {len(names)} adapters, {report['engine']}",
           flush=True)

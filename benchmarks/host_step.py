@@ -118,13 +118,18 @@ def run_batch(engine: Engine, clock: Clock, batch: int, steps: int, rng: np.rand
     result = {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}  # ms, median over steps
     result.update({f"{k}_min": min(r[k] for r in rows) * 1e3 for k in ("host_cpu", "build_cpu")})
     result.update(alone(engine))
+    end_requests(engine, ids)
+    return result
+
+
+def end_requests(engine: Engine, ids) -> None:
+    """Abort the measured requests, step until they are gone and release them: the engine is empty again."""
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
     for rid in ids:
         engine.release(rid)
-    return result
 
 
 def alone(engine: Engine, repeats: int = 50) -> dict:
