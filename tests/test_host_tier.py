@@ -1,6 +1,7 @@
 """HostTier, reached through an AdapterStore: the byte-budgeted host LRU, concurrent and inline reads, read-ahead,
-failures (recorded, retried, never poisoning other adapters), register-time validation, and device staging's
-bookkeeping (dropped with host rows, on unregister, beyond max_staged; never crossing names).
+failures (recorded, retried, those that may pass read again after a wait, never poisoning other adapters),
+register-time validation, and device staging's bookkeeping (dropped with host rows, on unregister, beyond max_staged;
+never crossing names).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from store_helpers import (
 )
 
 from slora_jax.engine.adapter_store import AdapterInUse
+from slora_jax.engine.host_records import Failures
+from slora_jax.lora.errors import RETRY_AFTER_S, rejecting
 from slora_jax.lora.peft import AdapterError, load_peft_adapter
 from slora_jax.lora.pool_rows import to_pool_rows
 from slora_jax.lora.synthetic import SyntheticAdapterSource
@@ -264,3 +267,71 @@ def test_staged_pages_are_dropped_with_their_host_rows(make_store, tiny_cfg, rng
     assert small.stats()["staged"] == 0
     small.acquire("a")
     assert_holds(small, "a", adapters["a"])
+
+
+def test_a_read_failure_that_may_pass_is_read_again_after_its_wait(make_store, tiny_cfg, tmp_path, rng):
+    """Weights gone since registration (a deploy replacing the file, a disk away): the failure stands for
+    ``retry_after_s``, then the next use reads again. A corrupt file's failure stays until retried."""
+    root = tmp_path / "adapters"
+    flaky = synth.write_adapter(root / "flaky", tiny_cfg, rank=4, seed=seed_of(rng))
+    bad = synth.write_adapter(root / "corrupt", tiny_cfg, rank=4, seed=seed_of(rng))
+    store = make_store(num_pages=64, max_slots=2)
+    assert store.register_dir(root) == ["corrupt", "flaky"] and store.host.errors() == {}
+    now = [1000.0]
+    store.host._errors._clock = lambda: now[0]  # noqa: SLF001 - the test drives the failure record's clock
+    (bad / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage-not-a-header")
+    weights = flaky / "adapter_model.safetensors"
+    weights.rename(tmp_path / "away")
+    for name, reason in (("flaky", "missing adapter_model.safetensors"), ("corrupt", "unreadable")):
+        with pytest.raises(AdapterError, match=reason) as info:
+            store.host.fetch(name).result(timeout=30)
+        assert (info.value.retry_after_s is not None) == (name == "flaky")
+    (tmp_path / "away").rename(weights)  # back, but the failure stands until its wait is over
+    now[0] += RETRY_AFTER_S - 1
+    with pytest.raises(AdapterError, match="missing"):
+        store.acquire("flaky")
+    assert set(store.host.errors()) == {"flaky", "corrupt"} and store.stats()["host_loads"] == 0
+    now[0] += 2
+    assert set(store.host.errors()) == {"corrupt"} and store.pages_needed_to_load("flaky") > 0
+    store.acquire("flaky")
+    assert_holds(store, "flaky", load_peft_adapter(flaky, tiny_cfg))
+    with pytest.raises(AdapterError, match="unreadable"):
+        store.acquire("corrupt")
+    s = store.stats()
+    assert (s["load_errors"], s["failed"], s["host_loads"]) == (2, 1, 1)
+
+
+def test_failures_expire_only_for_failed_reads_that_may_pass():
+    now = [0.0]
+    failures = Failures(clock=lambda: now[0])
+    failures["invalid"] = AdapterError("invalid", "validation", retry_after_s=5)  # validation: always stands
+    failures.record_read("slow", AdapterError("slow", "timed out", retry_after_s=5))
+    failures.record_read("corrupt", AdapterError("corrupt", "bad header"))
+    assert {n for n, _ in failures.items()} == {"invalid", "slow", "corrupt"} and len(failures) == 3
+    now[0] = 4.9
+    assert "slow" in failures and failures.get("slow").reason == "timed out"
+    now[0] = 5.0
+    assert "slow" not in failures and failures.get("slow") is None and len(failures) == 2
+    assert failures.pop("corrupt").reason == "bad header" and failures.pop("corrupt", "none") == "none"
+    assert [n for n, _ in failures.items()] == ["invalid"] and 42 not in failures
+
+
+def test_rejecting_marks_os_errors_as_failures_that_may_pass():
+    def unreadable():
+        raise PermissionError(13, "Permission denied", "/x/adapter_model.safetensors")
+
+    def corrupt():
+        raise ValueError("bad header")
+
+    def passing():
+        raise AdapterError("inner", "slow", retry_after_s=7)
+
+    with pytest.raises(AdapterError, match="cannot read /x/adapter_model.safetensors") as info:
+        rejecting("a", unreadable)
+    assert info.value.retry_after_s == RETRY_AFTER_S and info.value.adapter == "a"
+    with pytest.raises(AdapterError, match="invalid adapter") as info:
+        rejecting("a", corrupt)
+    assert info.value.retry_after_s is None
+    with pytest.raises(AdapterError, match="slow") as info:
+        rejecting("a", passing)
+    assert info.value.retry_after_s == 7 and info.value.adapter == "a"

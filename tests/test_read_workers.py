@@ -16,7 +16,7 @@ import pytest
 from store_helpers import assert_holds
 
 from slora_jax.engine.read_workers import ReadWorkers, WorkerLost
-from slora_jax.lora.errors import AdapterError, AdapterNotAllowed
+from slora_jax.lora.errors import RETRY_AFTER_S, AdapterError, AdapterNotAllowed
 from slora_jax.lora.peft import load_peft_adapter
 from slora_jax.lora.sources import PeftDirSource
 from slora_jax.tools import synth
@@ -64,8 +64,14 @@ def test_an_adapters_fault_is_its_error_and_the_worker_keeps_serving(workers, tm
     assert e.value.adapter == "bad"
     corrupt = _adapter(tmp_path, tiny_cfg, rng, "corrupt")
     (corrupt / "adapter_model.safetensors").write_bytes(os.urandom(200))
-    with pytest.raises(AdapterError, match="'corrupt'"):
+    with pytest.raises(AdapterError, match="'corrupt'") as e:
         workers.read(PeftDirSource(corrupt), "corrupt", tiny_cfg, 16, np.float32)
+    assert e.value.retry_after_s is None  # a corrupt file stays corrupt
+    gone = _adapter(tmp_path, tiny_cfg, rng, "gone")
+    (gone / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterError, match="missing adapter_model.safetensors") as e:  # may be back later
+        workers.read(PeftDirSource(gone), "gone", tiny_cfg, 16, np.float32)
+    assert e.value.retry_after_s == RETRY_AFTER_S and e.value.adapter == "gone"
     cfg_path = corrupt / "adapter_config.json"
     cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "r": -3}))
     with pytest.raises(AdapterError):
@@ -171,6 +177,7 @@ def test_a_read_that_hangs_is_stopped_and_fails_as_the_adapters_error(tmp_path, 
         with pytest.raises(AdapterError, match="longer than 3 s") as e:
             w.read(HangingSource(good), "stuck", tiny_cfg, 16, np.float32)
         assert e.value.adapter == "stuck" and 3 <= time.monotonic() - t0 < 30
+        assert e.value.retry_after_s == RETRY_AFTER_S  # a slow disk may recover: read again after a wait
         first.proc.wait(timeout=10)  # killed
         _same_rows(w.read(PeftDirSource(good), "good", tiny_cfg, 16, np.float32),
                    PeftDirSource(good).load_rows("good", tiny_cfg, 16, np.float32))

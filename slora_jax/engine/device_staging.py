@@ -19,7 +19,7 @@ from slora_jax.engine.pool import PagedPool, StagedPages
 from slora_jax.lora.peft import AdapterError
 from slora_jax.lora.pool_rows import AdapterRows
 
-__all__ = ["DeviceStaging", "Staging", "finish", "staged_pages"]
+__all__ = ["DeviceStaging", "Staging", "finish", "settled", "staged_pages"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,13 @@ def finish(future: Future, result=None, error: BaseException | None = None) -> N
             future.set_result(result)
     except InvalidStateError:
         pass
+
+
+def settled(result=None, error: BaseException | None = None) -> Future:
+    """A future already holding ``result`` (or ``error``)."""
+    future: Future = Future()
+    finish(future, result, error)
+    return future
 
 
 @dataclasses.dataclass(eq=False)

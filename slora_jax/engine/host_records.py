@@ -1,4 +1,5 @@
-"""The host tier's records: a registered adapter (what its cheap validation found) and one read of it in flight.
+"""The host tier's records: a registered adapter (what its cheap validation found), one read of it in flight, and
+the adapters that failed.
 
 Kept apart from ``host_tier`` so that module keeps to the tier's behaviour; both records are guarded by the tier's
 lock, never by their own.
@@ -7,13 +8,16 @@ lock, never by their own.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
 
+from slora_jax.lora.errors import AdapterError
 from slora_jax.lora.sources import AdapterSource
 
-__all__ = ["AdapterEntry", "HostLoad"]
+__all__ = ["AdapterEntry", "Failures", "HostLoad"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -35,3 +39,43 @@ class HostLoad:
     entry: AdapterEntry
     future: Future
     claimed: bool = False
+
+
+class Failures:
+    """Adapter name -> its :class:`AdapterError`, as a dict. A failed read whose error has ``retry_after_s`` (one
+    that may pass) is forgotten that long after it was recorded (:meth:`record_read`), so the adapter's next use
+    reads it again; other failures (validation's, recorded by item assignment) stand until the adapter is
+    registered or retried again."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._errors: dict[str, tuple[AdapterError, float]] = {}  # name -> (error, when it expires)
+
+    def __setitem__(self, name: str, error: AdapterError) -> None:
+        self._errors[name] = (error, float("inf"))
+
+    def record_read(self, name: str, error: AdapterError) -> None:
+        after = error.retry_after_s
+        self._errors[name] = (error, float("inf") if after is None else self._clock() + after)
+
+    def get(self, name: str) -> AdapterError | None:
+        record = self._errors.get(name)
+        if record is None:
+            return None
+        if record[1] <= self._clock():
+            del self._errors[name]
+            return None
+        return record[0]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.get(name) is not None
+
+    def pop(self, name: str, default=None):
+        record = self._errors.pop(name, None)
+        return default if record is None else record[0]
+
+    def items(self) -> list[tuple[str, AdapterError]]:
+        return [(name, error) for name in list(self._errors) if (error := self.get(name)) is not None]
+
+    def __len__(self) -> int:
+        return len(self.items())

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from slora_jax.engine.device_staging import DeviceStaging, finish, staged_pages
-from slora_jax.engine.host_records import AdapterEntry, HostLoad
+from slora_jax.engine.device_staging import DeviceStaging, finish, settled, staged_pages
+from slora_jax.engine.host_records import AdapterEntry, Failures, HostLoad
 from slora_jax.engine.pool import PagedPool, StagedPages
 from slora_jax.engine.read_workers import adapter_reader
-from slora_jax.lora.peft import AdapterError
+from slora_jax.lora.errors import RETRY_AFTER_S, AdapterError
 from slora_jax.lora.pool_rows import AdapterRows, layout_key
 from slora_jax.lora.sources import AdapterSource, PeftDirSource, as_source
 from slora_jax.model.config import MODULES, ModelConfig
@@ -32,12 +32,6 @@ from slora_jax.model.config import MODULES, ModelConfig
 __all__ = ["HostTier"]
 
 log = logging.getLogger(__name__)
-
-
-def _done(result=None, error: BaseException | None = None) -> Future:
-    future: Future = Future()
-    finish(future, result, error)
-    return future
 
 
 class HostTier:
@@ -70,7 +64,7 @@ class HostTier:
 
         self._lock = threading.Lock()  # guards everything below
         self._entries: dict[str, AdapterEntry] = {}
-        self._errors: dict[str, AdapterError] = {}
+        self._errors = Failures()  # name -> AdapterError (those that may pass expire)
         self._host: OrderedDict[str, AdapterRows] = OrderedDict()  # least recently used first
         self._host_sizes: dict[str, int] = {}
         self._host_bytes = 0
@@ -226,7 +220,8 @@ class HostTier:
         """Future of the adapter's host rows: done at once if cached or failed, else read on an IO thread.
 
         The future raises the adapter's :class:`AdapterError` if it cannot be loaded; that error is recorded so
-        later requests fail the same way without re-reading (until :meth:`retry`).
+        later requests fail the same way without re-reading (until :meth:`retry`, or for a failure that may pass
+        until its ``retry_after_s``).
         """
         entry = self._entry(name)
         with self._lock:
@@ -399,15 +394,15 @@ class HostTier:
         name = entry.name
         error = self._errors.get(name)
         if error is not None:
-            return _done(error=error)
+            return settled(error=error)
         rows = self._host.get(name)
         if rows is not None:
             self._host.move_to_end(name)
             self._counts["host_hits"] += 1
-            return _done(rows)
+            return settled(rows)
         load = self._loads.get(name)
         if load is None and self._closed:
-            return _done(error=AdapterError(name, "adapter store closed"))
+            return settled(error=AdapterError(name, "adapter store closed"))
         return load.future if load is not None else self._start_read_locked(entry)
 
     def _start_read_locked(self, entry: AdapterEntry) -> Future:
@@ -435,7 +430,8 @@ class HostTier:
         except AdapterError as e:
             error = e
         except Exception as e:  # any failure of one adapter's read must not escape into the engine
-            error = AdapterError(name, f"load failed: {type(e).__name__}: {e}")
+            error = AdapterError(name, f"load failed: {type(e).__name__}: {e}", RETRY_AFTER_S if isinstance(e, OSError)
+                                 else None)  # the disk may come back
         except BaseException as e:  # interrupted inline: leave no load claimed forever
             with self._lock:
                 if self._loads.get(name) is load:
@@ -461,7 +457,7 @@ class HostTier:
             if error is not None:
                 self._counts["load_errors"] += 1
                 if current:
-                    self._errors[name] = error
+                    self._errors.record_read(name, error)
             else:
                 self._counts["host_loads"] += 1
                 entry.reads = (entry.reads[0] + 1, entry.reads[1] + seconds, seconds)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slora_jax.lora.errors import AdapterError, AdapterNotAllowed
+from slora_jax.lora.errors import RETRY_AFTER_S, AdapterError, AdapterNotAllowed
 from slora_jax.lora.pool_rows import AdapterRows
 from slora_jax.lora.sources import PeftDirSource
 
@@ -180,7 +180,7 @@ class ReadWorkers:
                 out.unlink(missing_ok=True)
                 if isinstance(e, _TimedOut):
                     raise AdapterError(name, f"reading it took longer than {self.timeout_s:g} s; the read was "
-                                             "stopped") from None
+                                             "stopped", RETRY_AFTER_S) from None  # a slow disk may recover
                 if isinstance(e, _Crashed) and attempt == 1:
                     log.warning("%s; reading adapter %r again in a fresh worker", e, name)
                     continue
@@ -238,7 +238,8 @@ def _stop_all(workers: list[_Worker], directory: Path) -> None:
 def _rows_from(answer: dict, name: str, out: Path, dtype: np.dtype) -> AdapterRows:
     if "error" in answer:
         cls = AdapterNotAllowed if answer.get("not_allowed") else AdapterError
-        raise cls(name, str(answer["error"]))
+        retry = answer.get("retry_after_s")
+        raise cls(name, str(answer["error"]), float(retry) if isinstance(retry, int | float) else None)
     try:
         shape = tuple(int(d) for d in answer["shape"])
         vectors = np.fromfile(out, dtype=dtype)
@@ -269,9 +270,11 @@ def _serve() -> None:
                 table = np.asarray(getattr(rows, k))
                 answer[k], answer[k + "_dtype"] = table.tolist(), table.dtype.str
         except AdapterError as e:
-            answer = {"error": e.reason, "not_allowed": isinstance(e, AdapterNotAllowed)}
+            answer = {"error": e.reason, "not_allowed": isinstance(e, AdapterNotAllowed),
+                      "retry_after_s": e.retry_after_s}
         except Exception as e:  # noqa: BLE001 - reported to the parent as the adapter's failure
-            answer = {"error": f"load failed: {type(e).__name__}: {e}"}
+            answer = {"error": f"load failed: {type(e).__name__}: {e}",
+                      "retry_after_s": RETRY_AFTER_S if isinstance(e, OSError) else None}
         if rows is not None:
             try:  # a failed hand-over is not the adapter's fault: the parent reads it itself
                 np.ascontiguousarray(rows.vectors).tofile(out)

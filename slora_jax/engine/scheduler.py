@@ -268,7 +268,8 @@ class Scheduler:
             return self.store.acquire(seq.adapter)
         except AdapterError as e:
             seq.error = str(e)
-            self._failed.append((seq, str(e), "adapter"))
+            # a failure that may pass (a disk away) is not the request's fault: "adapter_unavailable" (HTTP 503)
+            self._failed.append((seq, str(e), "adapter" if e.retry_after_s is None else "adapter_unavailable"))
             return None
         except NoRoom:
             return None

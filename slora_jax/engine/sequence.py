@@ -30,7 +30,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
     text: str = ""  # new text, when the request has stop strings and the engine a tokenizer
-    error_kind: str | None = None  # with finish_reason "error": "adapter", "request", "deadline" (whose fault)
+    error_kind: str | None = None  # with finish_reason "error": "adapter", "adapter_unavailable" (a failure that
+    # may pass), "request", "deadline" (whose fault)
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
     # with the request's first output, when it asked for prompt logprobs: one per prompt token, the first None
     prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -16,13 +16,14 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from slora_jax.lora.errors import AdapterError, AdapterNotAllowed
+from slora_jax.lora.errors import RETRY_AFTER_S, AdapterError, AdapterNotAllowed
 
 __all__ = ["OpenFile", "inside", "open_adapter_file", "read_bounded"]
 
 _FD_LINKS = Path("/proc/self/fd")
 _OPEN_ERRORS = {errno.ENOENT: "missing", errno.ENOTDIR: "missing", errno.ELOOP: "a symlink loop at",
                 errno.ENAMETOOLONG: "a name too long in", errno.EACCES: "no permission to read"}
+_LASTING = ("a symlink loop at", "a name too long in")  # open errors no later read can get past
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +52,13 @@ def open_adapter_file(path: Path, name: str, roots: tuple[Path, ...] = ()) -> It
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         what = _OPEN_ERRORS.get(e.errno)
+        # missing, unreadable or an I/O error: may pass (a file being replaced, a disk away); the rest will not
+        later = None if what in _LASTING else RETRY_AFTER_S
         if what == "missing":
-            raise AdapterError(name, f"missing {path.name} in {path.parent}") from None
+            raise AdapterError(name, f"missing {path.name} in {path.parent}", later) from None
         if what is not None:
-            raise AdapterError(name, f"{what} {path.name}") from None
-        raise AdapterError(name, f"cannot open {path.name}: {e.strerror}") from None
+            raise AdapterError(name, f"{what} {path.name}", later) from None
+        raise AdapterError(name, f"cannot open {path.name}: {e.strerror}", later) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

@@ -13,13 +13,23 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-class AdapterError(ValueError):
-    """An adapter that cannot be served; the message names the adapter and the reason."""
+RETRY_AFTER_S = 30.0  # a failure that may pass (a read that timed out, files unreadable for now) stands this long
 
-    def __init__(self, name: str, reason: str):
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served; the message names the adapter and the reason.
+
+    ``retry_after_s``: set for failures that may pass (a slow or briefly unreachable disk): the store stops
+    answering with this error after that many seconds and reads the adapter again on its next use, instead of
+    refusing it until it is loaded again."""
+
+    retry_after_s: float | None = None  # also for one rebuilt without __init__ (engine_wire)
+
+    def __init__(self, name: str, reason: str, retry_after_s: float | None = None):
         super().__init__(f"adapter {name!r}: {reason}")
         self.adapter = name
         self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 class AdapterNotAllowed(AdapterError):
@@ -39,13 +49,14 @@ def rejecting(name: str, fn: Callable[..., T], *args, **kwargs) -> T:
     except AdapterNotAllowed as e:
         error: AdapterError = AdapterNotAllowed(name, e.reason)
     except AdapterError as e:
-        error = AdapterError(name, e.reason)
+        error = AdapterError(name, e.reason, e.retry_after_s)
     except RecursionError:
         error = AdapterError(name, "nested too deeply to read")
     except MemoryError:
         error = AdapterError(name, "too large to read into memory")
     except OSError as e:
-        error = AdapterError(name, f"cannot read {e.filename or 'a file'}: {e.strerror or type(e).__name__}")
+        error = AdapterError(name, f"cannot read {e.filename or 'a file'}: {e.strerror or type(e).__name__}",
+                             RETRY_AFTER_S)  # the disk may come back (kept only where reads fail, not validation)
     except Exception as e:  # any other failure of one adapter's files must not escape as a server error
         error = AdapterError(name, f"invalid adapter: {type(e).__name__}: {e}")
     try:

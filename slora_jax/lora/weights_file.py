@@ -18,7 +18,7 @@ import numpy as np
 from safetensors import safe_open
 
 from slora_jax.lora.adapter_files import open_adapter_file
-from slora_jax.lora.errors import AdapterError
+from slora_jax.lora.errors import RETRY_AFTER_S, AdapterError
 from slora_jax.model.config import ATTN_MODULES, MODULES, ModelConfig, module_key
 
 __all__ = ["FLOAT_DTYPES", "MAX_HEADER_BYTES", "WEIGHTS_NAME", "peft_weights_path", "read_lora_weights"]
@@ -39,12 +39,12 @@ def peft_weights_path(path: Path, name: str) -> Path:
         present, exists = st.is_file(), st.exists()
         has_bin = not present and (Path(path) / "adapter_model.bin").exists()
     except OSError as e:
-        raise AdapterError(name, f"cannot read {st.name}: {e.strerror}") from None
+        raise AdapterError(name, f"cannot read {st.name}: {e.strerror}", RETRY_AFTER_S) from None
     if exists and not present:
         raise AdapterError(name, f"{WEIGHTS_NAME} is not a regular file")
-    if not present:
+    if not present:  # gone since it was registered (being replaced, a disk away): a later read may find it
         extra = " (adapter_model.bin is not read: convert it to safetensors)" if has_bin else ""
-        raise AdapterError(name, f"missing {WEIGHTS_NAME} in {path}{extra}")
+        raise AdapterError(name, f"missing {WEIGHTS_NAME} in {path}{extra}", RETRY_AFTER_S)
     return st
 
 

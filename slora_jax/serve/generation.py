@@ -7,7 +7,9 @@ with "stop" and is aborted in the engine, which frees its pages.
 
 A request the engine ended with an error is answered by whose fault it was (``RequestOutput.error_kind``): the
 request's own (a bad adapter, inputs that cannot be packed) 400; a first-token deadline it could not meet (early
-abort) 503 ``deadline_exceeded``, so the client retries later or elsewhere; anything else 500.
+abort) 503 ``deadline_exceeded``, so the client retries later or elsewhere; an adapter whose read failed in a way that
+may pass (its files gone for now, a read that timed out: read again after ``AdapterError.retry_after_s``) 503;
+anything else 500.
 
 A request for ``n`` samples is ``n`` engine requests (one prefill, see ``engine.forks``) answered as ``n`` choices
 (``choices.Choice``): the response lists them by index, a stream interleaves their chunks. If one fails, the request
@@ -40,6 +42,7 @@ from .request_builder import PreparedRequest
 # RequestOutput.error_kind values: the request's own fault (400), and a first-token deadline missed (503)
 CLIENT_FAULTS = ("adapter", "request")
 DEADLINE = "deadline"
+UNAVAILABLE = "adapter_unavailable"  # an adapter read failure that may pass (503: retry later)
 
 
 class SSEResponse(StreamingResponse):
@@ -153,6 +156,8 @@ class Generation:
             message = choice.error or "generation failed"
             if choice.error_kind == DEADLINE:
                 return APIError(503, message, error_type="deadline_exceeded")
+            if choice.error_kind == UNAVAILABLE:
+                return APIError(503, message)
             return APIError(400 if choice.error_kind in CLIENT_FAULTS else 500, message)
         return APIError(503, choice.error or f"the request was aborted ({choice.finish_reason})")  # shutting down
 
@@ -285,8 +290,8 @@ class GenerationRunner:
             raise APIError(429, f"the server is busy: {e}") from None
         except KeyError as e:
             raise APIError(404, str(e.args[0]) if e.args else "unknown adapter", "model") from None
-        except AdapterError as e:
-            raise APIError(400, str(e), "model") from None
+        except AdapterError as e:  # a failure that may pass is the server's (503), not the request's
+            raise APIError(400 if e.retry_after_s is None else 503, str(e), "model") from None
         except RequestRejected as e:
             raise APIError(400, str(e), e.param) from None
         except ValueError as e:

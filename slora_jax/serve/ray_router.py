@@ -12,6 +12,15 @@ by up to a stats period), then every replica. Within a rank Ray takes the replic
 has room (``max_ongoing_requests``), so a holder that is full passes its adapter's requests on; a request without an
 adapter goes to the shortest queue.
 
+Load is bounded before a replica is full: a holder that took more than ``1 + LOAD_SLACK`` times its fair share of
+this router's last ``LOAD_WINDOW`` choices drops out of the holder ranks for hot adapters (``HOT`` or more of those
+choices), so their requests spill to the least-loaded replica, which then holds them too: a hot adapter ends up on
+several replicas, moving the most load for one extra read; a cold one stays where it is (moving it would cost a read
+and move almost no load). Without
+the bound, power-law popularity pins the hottest adapter's share (a fifth of the traffic for 50 adapters) to wherever
+it first landed, and one of two replicas served up to two thirds of a window at low concurrency. The last rank (every
+replica) is ordered least-loaded first, which is the order Ray keeps among equally short queues.
+
 Two other modes, chosen per request with the ``routing`` keyword of the call, exist to measure this one against:
 ``multiplex`` (Ray's own: multiplexed model ids, then power of two choices) and ``random``.
 """
@@ -20,12 +29,16 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter, deque
 
 from ray.serve.request_router import FIFOMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 MODES = ("affinity", "multiplex", "random")
 DEFAULT_MEMORY_S = 2.0  # how long this router's last choice for an adapter stands in for a residency report
 MAX_REMEMBERED = 10_000  # adapters remembered before the stale ones are forgotten
+LOAD_WINDOW = 64  # this router's last choices that count as a replica's recent load
+LOAD_SLACK = 0.25  # a holder may take this much over its fair share of the window before its adapters spill
+HOT = 4  # an adapter with this many of the window's choices is hot: it spills from an overloaded holder
 
 
 class AdapterAffinityRouter(FIFOMixin, MultiplexMixin, RequestRouter):
@@ -33,6 +46,7 @@ class AdapterAffinityRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         self.memory_s = memory_s
         self.last_sent: dict[str, tuple] = {}  # adapter -> (replica id, when this router last sent it there)
         self._tiers: dict = {}  # replica id -> (stats dict it came from, device names, host names)
+        self.recent: deque = deque(maxlen=LOAD_WINDOW)  # (replica id, adapter) of this router's last choices
 
     # ---------------------------------------------------------------- what each replica holds
     def tiers(self, replica: RunningReplica) -> tuple[frozenset, frozenset]:
@@ -45,14 +59,28 @@ class AdapterAffinityRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         return cached[1], cached[2]
 
     # ---------------------------------------------------------------- choosing
+    def overloaded(self, replicas: list[RunningReplica], counts: Counter) -> set:
+        """Ids of replicas that took more than (1 + LOAD_SLACK) times a fair share of the recent choices (a full
+        window only: a few requests say nothing about load)."""
+        if len(self.recent) < LOAD_WINDOW or len(replicas) < 2:
+            return set()
+        cap = (1 + LOAD_SLACK) * LOAD_WINDOW / len(replicas)
+        return {r.replica_id for r in replicas if counts[r.replica_id] > cap}
+
     def affinity_ranks(self, replicas: list[RunningReplica], adapter: str) -> list[list[RunningReplica]]:
-        anyone = random.sample(replicas, len(replicas))  # Ray takes the first of equally short queues: spread ties
+        counts = Counter(replica_id for replica_id, _ in self.recent)
+        shuffled = random.sample(replicas, len(replicas))  # equal loads: spread ties at random
+        anyone = sorted(shuffled, key=lambda r: counts[r.replica_id])  # stable sort: least loaded first
         if not adapter:
             return [anyone]
         device, host, last = [], [], []
         sent_to, sent_at = self.last_sent.get(adapter, (None, 0.0))
         recent = time.monotonic() - sent_at <= self.memory_s
+        hot = sum(a == adapter for _, a in self.recent) >= HOT
+        busy = self.overloaded(replicas, counts) if hot else set()
         for r in replicas:
+            if r.replica_id in busy:
+                continue
             on_device, in_host = self.tiers(r)
             if adapter in on_device:
                 device.append(r)
@@ -86,6 +114,7 @@ class AdapterAffinityRouter(FIFOMixin, MultiplexMixin, RequestRouter):
     # ---------------------------------------------------------------- bookkeeping
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         adapter, now = pending_request.metadata.multiplexed_model_id, time.monotonic()
+        self.recent.append((replica_id, adapter or ""))
         if adapter:
             self.last_sent[adapter] = (replica_id, now)
             if len(self.last_sent) > MAX_REMEMBERED:  # names clients made up must not pile up

@@ -1,0 +1,97 @@
+"""The adapter-affinity router's ranking, without a cluster: holders first, and the load bound that spills a hot
+adapter from a holder that took too much of the recent traffic (the balance tests/test_ray_serve.py measures end to
+end)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+pytest.importorskip("ray.serve.request_router")
+from slora_jax.serve import ray_router  # noqa: E402
+from slora_jax.serve.ray_router import HOT, LOAD_SLACK, LOAD_WINDOW, AdapterAffinityRouter  # noqa: E402
+
+
+@dataclass
+class FakeReplica:
+    """The three attributes of Ray's RunningReplica the router reads."""
+    replica_id: str
+    routing_stats: dict = field(default_factory=dict)
+    multiplexed_model_ids: set = field(default_factory=set)
+
+
+def router() -> AdapterAffinityRouter:
+    r = AdapterAffinityRouter.__new__(AdapterAffinityRouter)  # Ray's constructor wants a deployment: not needed
+    r.initialize_state()
+    return r
+
+
+def ids(ranks) -> list[list[str]]:
+    return [[r.replica_id for r in rank] for rank in ranks]
+
+
+def test_holders_rank_before_others_and_device_before_host():
+    a = FakeReplica("a", {"device": ["x"], "host": []})
+    b = FakeReplica("b", {"device": [], "host": ["x"]})
+    c = FakeReplica("c")
+    ranks = ids(router().affinity_ranks([c, b, a], "x"))
+    assert ranks[:2] == [["a"], ["b"]] and sorted(ranks[2]) == ["a", "b", "c"]
+    other = ids(router().affinity_ranks([c, b, a], "y"))  # held nowhere: one rank, every replica
+    assert len(other) == 1 and sorted(other[0]) == ["a", "b", "c"]
+
+
+def window(r: AdapterAffinityRouter, *runs: tuple[str, str, int]) -> None:
+    """Fill the router's window with runs of (replica, adapter, count) choices."""
+    r.recent.clear()
+    for replica, adapter, n in runs:
+        r.recent.extend([(replica, adapter)] * n)
+    assert len(r.recent) == LOAD_WINDOW
+
+
+@pytest.mark.parametrize("n_replicas", [2, 3])
+def test_a_holder_over_its_share_of_the_window_spills_its_hot_adapter_to_the_least_loaded(n_replicas):
+    replicas = [FakeReplica(f"r{i}", {"device": ["hot", "cold"] if i == 0 else []}) for i in range(n_replicas)]
+    others = [r.replica_id for r in replicas[1:]]
+    r = router()
+    cap = (1 + LOAD_SLACK) * LOAD_WINDOW / n_replicas
+    over = int(cap) + 1
+    rest = LOAD_WINDOW - over
+    # r0 took `over` choices (HOT of them for "hot"); the others share the rest, the last one a choice fewer
+    runs = [("r0", "hot", HOT), ("r0", "other", over - HOT)]
+    per = [rest // len(others) + (i < rest % len(others)) for i in range(len(others))]
+    runs += [(o, "x", n) for o, n in zip(others, sorted(per, reverse=True), strict=True)]
+    window(r, *runs)
+    ranks = ids(r.affinity_ranks(replicas, "hot"))
+    assert len(ranks) == 1, "an overloaded holder still ranks first for its hot adapter"
+    counts = {x: sum(rep == x for rep, _ in r.recent) for x in ranks[0]}
+    assert [counts[x] for x in ranks[0]] == sorted(counts.values()) and ranks[0][-1] == "r0"  # least loaded first
+    # a cold adapter (fewer than HOT choices) stays with its holder: moving it would cost a read for little load
+    assert ids(r.affinity_ranks(replicas, "cold"))[0] == ["r0"]
+    # at the cap, not over it: the holder keeps its hot adapter too
+    at = int(cap)
+    window(r, ("r0", "hot", at), *[(o, "x", n) for o, n in zip(others, [LOAD_WINDOW - at - (len(others) - 1)]
+                                                             + [1] * (len(others) - 1), strict=True)])
+    assert ids(r.affinity_ranks(replicas, "hot"))[0] == ["r0"]
+
+
+def test_no_bound_before_the_window_fills_and_routing_is_recorded():
+    a, b = FakeReplica("a", {"device": ["x"]}), FakeReplica("b")
+    r = router()
+    r.recent.extend([("a", "x")] * (LOAD_WINDOW - 1))
+    assert ids(r.affinity_ranks([a, b], "x"))[0] == ["a"]
+
+    class Pending:
+        class metadata:
+            multiplexed_model_id = "x"
+
+    r.on_request_routed(Pending, "a", None)
+    assert len(r.recent) == LOAD_WINDOW and r.last_sent["x"][0] == "a" and r.recent[-1] == ("a", "x")
+    assert ids(r.affinity_ranks([a, b], "x")) == [["b", "a"]]
+
+
+def test_the_window_forgets_old_choices():
+    r = router()
+    r.recent.extend([("a", "x")] * LOAD_WINDOW)
+    r.recent.extend([("b", "y")] * LOAD_WINDOW)
+    assert set(r.recent) == {("b", "y")} and ray_router.LOAD_WINDOW == len(r.recent)
