@@ -206,39 +206,6 @@ def test_an_adapter_that_cannot_be_loaded_is_refused_and_listed_with_its_reason(
         srv.call(lambda: srv.engine.unregister_adapter("broken"))
 
 
-class _AwayRead(_FailingRead):
-    """Reads fail while ``away`` (its disk unreachable: a failure that may pass), then succeed."""
-
-    away = True
-
-    def load_rows(self, name, model_cfg, max_rank, dtype):
-        if self.away:
-            raise AdapterError(name, "injected: its disk is away", retry_after_s=30.0)
-        return self.inner.load_rows(name, model_cfg, max_rank, dtype)
-
-
-def test_an_adapter_whose_read_may_pass_answers_503_then_serves_after_its_wait(srv, http):
-    rng = np.random.default_rng()
-    source = _AwayRead(InMemorySource(random_adapter(srv.engine.cfg, rng, "away", ranks=(4,), targets=QKVO)))
-    srv.engine.register_adapter("away", source)
-    failures = srv.engine.store.host._errors  # noqa: SLF001 - the test moves the failure record's clock
-    now = [time.monotonic()]
-    failures._clock = lambda: now[0]  # noqa: SLF001
-    try:
-        body = {"model": "away", "prompt": "Hello there", "max_tokens": 2}
-        for _ in range(2):  # the failed read, then its recorded failure: the server's fault both times, not the
-            r = http.post("/v1/completions", json=body)  # request's
-            assert r.status_code == 503 and "disk is away" in r.json()["error"]["message"], r.text
-        assert "disk is away" in states(http)["away"]["error"]
-        source.away = False
-        now[0] += 31  # past its wait: the next use reads it again
-        assert states(http)["away"]["error"] is None
-        assert complete(http, "away")["choices"][0]["finish_reason"] == "length"
-        assert complete(http, BASE_NAME)["choices"]  # the server kept serving throughout
-    finally:
-        srv.call(lambda: srv.engine.unregister_adapter("away"))
-
-
 # ---- metrics ------------------------------------------------------------------------------------------------------
 
 
@@ -303,6 +270,42 @@ def test_the_api_key_protects_the_residency_endpoints(srv):
             assert anon.post("/v1/adapters/unpin", json={"lora_name": name}).status_code == 401
     with httpx.Client(base_url=srv.url, headers=srv.headers, timeout=60) as client:
         assert states(client)[name]["explicit_pins"] == 0  # the refused pin did nothing
+
+
+# ---- a failure that may pass (last of the server's tests: its adapter's pool load stays in the metrics) ----------
+
+
+class _AwayRead(_FailingRead):
+    """Reads fail while ``away`` (its disk unreachable: a failure that may pass), then succeed."""
+
+    away = True
+
+    def load_rows(self, name, model_cfg, max_rank, dtype):
+        if self.away:
+            raise AdapterError(name, "injected: its disk is away", retry_after_s=30.0)
+        return self.inner.load_rows(name, model_cfg, max_rank, dtype)
+
+
+def test_an_adapter_whose_read_may_pass_answers_503_then_serves_after_its_wait(srv, http):
+    rng = np.random.default_rng()
+    source = _AwayRead(InMemorySource(random_adapter(srv.engine.cfg, rng, "away", ranks=(4,), targets=QKVO)))
+    srv.engine.register_adapter("away", source)
+    failures = srv.engine.store.host._errors  # noqa: SLF001 - the test moves the failure record's clock
+    now = [time.monotonic()]
+    failures._clock = lambda: now[0]  # noqa: SLF001
+    try:
+        body = {"model": "away", "prompt": "Hello there", "max_tokens": 2}
+        for _ in range(2):  # the failed read, then its recorded failure: the server's fault both times, not the
+            r = http.post("/v1/completions", json=body)  # request's
+            assert r.status_code == 503 and "disk is away" in r.json()["error"]["message"], r.text
+        assert "disk is away" in states(http)["away"]["error"]
+        source.away = False
+        now[0] += 31  # past its wait: the next use reads it again
+        assert states(http)["away"]["error"] is None
+        assert complete(http, "away")["choices"][0]["finish_reason"] == "length"
+        assert complete(http, BASE_NAME)["choices"]  # the server kept serving throughout
+    finally:
+        srv.call(lambda: srv.engine.unregister_adapter("away"))
 
 
 # ---- the store's rules, without a server --------------------------------------------------------------------------
