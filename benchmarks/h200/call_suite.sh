@@ -4,7 +4,7 @@
 # carry [".whl"], command `bash benchmarks/h200/call_suite.sh`; extra arguments go to pytest (a dry run here:
 # `H200_DRY=1 WORKERS=2 bash benchmarks/h200/call_suite.sh tests/test_structure.py`).
 # $OUT: gpu_suite.log (the whole pytest output, one line per test) and <date>_gpu_suite_h200.json (counts, failures,
-# the 25 slowest); the table at the end is what the lead records in benchmarks/NOTES.md.
+# the 25 slowest tests, the 20 longest files); the table at the end is what the lead records in benchmarks/NOTES.md.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 # shellcheck source=benchmarks/h200/setup.sh
@@ -17,7 +17,7 @@ echo "suite: WORKERS=$WORKERS, pytest limit $limit s, log $log"
 start=$(date +%s)
 # -v -v on top of gpu-suite's -q: one line per finished test, so a run cut by the limit still names its failures.
 # timeout signals the whole process group: pytest, its workers and the servers they started.
-timeout -k 15 "$limit" .ci/gpu-suite -p no:cacheprovider --durations=25 -v -v "$@" >"$log" 2>&1
+timeout -k 15 "$limit" .ci/gpu-suite -p no:cacheprovider --durations=0 -v -v "$@" >"$log" 2>&1
 rc=$?
 wall=$(( $(date +%s) - start ))
 tail -n 8 "$log" | cut -c1-200

@@ -20,6 +20,19 @@ DURATION = re.compile(r"^([\d.]+)s (call|setup|teardown)\s+(\S+)")
 RESULT = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 
 
+def by_file(durations: list[dict]) -> list[dict]:
+    """Seconds per test file (setup, call and teardown of its tests summed; only what ``--durations`` listed),
+    longest first: with ``--dist loadgroup`` most files run whole on one worker, so the longest bounds the wall."""
+    files: dict[str, dict] = {}
+    for d in durations:
+        name = d["test"].split("::")[0]
+        f = files.setdefault(name, {"file": name, "s": 0.0, "tests": set()})
+        f["s"] += d["s"]
+        f["tests"].add(d["test"].split("@")[0])
+    out = [{"file": f["file"], "s": round(f["s"], 2), "tests": len(f["tests"])} for f in files.values()]
+    return sorted(out, key=lambda f: -f["s"])
+
+
 def suite(log_path: str, out_path: str, wall_s: str, rc: str) -> None:
     text = Path(log_path).read_text(errors="replace").splitlines()
     final = next((m for line in reversed(text) if (m := FINAL.match(line.strip()))), None)
@@ -43,7 +56,7 @@ def suite(log_path: str, out_path: str, wall_s: str, rc: str) -> None:
               "git_commit": os.environ.get("SLORA_GIT_COMMIT", "unknown"), "workers": os.environ.get("WORKERS"),
               "exit_code": int(rc), "timed_out": int(rc) in (124, 137), "wall_s": float(wall_s),
               "pytest_s": float(final.group(2)) if final else None, "counts": counts, "failures": failures,
-              "slowest": durations[:25], "device": os.environ.get("GPU_NAME", "")}
+              "slowest": durations[:25], "by_file": by_file(durations)[:20], "device": os.environ.get("GPU_NAME", "")}
     Path(out_path).write_text(json.dumps(report, indent=1))
     print(f"\n== GPU suite  {report['date'][:19]}Z  commit {report['git_commit'][:12]}  workers {report['workers']}")
     print(f"   exit {rc}{' (TIMED OUT: counts are partial)' if report['timed_out'] else ''}  wall {float(wall_s):.0f} s"
@@ -53,6 +66,8 @@ def suite(log_path: str, out_path: str, wall_s: str, rc: str) -> None:
         print(f"   {f}")
     for d in durations[:10]:
         print(f"   {d['s']:7.1f} s  {d['when']:8s} {d['test']}")
+    for f in report["by_file"][:8]:  # a file runs on one worker: the longest bounds the suite's wall time
+        print(f"   {f['s']:7.1f} s  file     {f['file']} ({f['tests']} tests)")
     print(f"   -> {out_path}")
 
 
