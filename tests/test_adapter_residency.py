@@ -291,7 +291,7 @@ def test_an_adapter_whose_read_may_pass_answers_503_then_serves_after_its_wait(s
     source = _AwayRead(InMemorySource(random_adapter(srv.engine.cfg, rng, "away", ranks=(4,), targets=QKVO)))
     srv.engine.register_adapter("away", source)
     failures = srv.engine.store.host._errors  # noqa: SLF001 - the test moves the failure record's clock
-    now = [time.monotonic()]
+    now, clock = [time.monotonic()], failures._clock  # noqa: SLF001
     failures._clock = lambda: now[0]  # noqa: SLF001
     try:
         body = {"model": "away", "prompt": "Hello there", "max_tokens": 2}
@@ -305,6 +305,7 @@ def test_an_adapter_whose_read_may_pass_answers_503_then_serves_after_its_wait(s
         assert complete(http, "away")["choices"][0]["finish_reason"] == "length"
         assert complete(http, BASE_NAME)["choices"]  # the server kept serving throughout
     finally:
+        failures._clock = clock  # noqa: SLF001
         srv.call(lambda: srv.engine.unregister_adapter("away"))
 
 

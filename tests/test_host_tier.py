@@ -23,6 +23,7 @@ from store_helpers import (
 from slora_jax.engine.adapter_store import AdapterInUse
 from slora_jax.engine.host_records import Failures
 from slora_jax.lora.errors import RETRY_AFTER_S, rejecting
+from slora_jax.lora.mixes import MixSource
 from slora_jax.lora.peft import AdapterError, load_peft_adapter
 from slora_jax.lora.pool_rows import to_pool_rows
 from slora_jax.lora.synthetic import SyntheticAdapterSource
@@ -300,6 +301,15 @@ def test_a_read_failure_that_may_pass_is_read_again_after_its_wait(make_store, t
     s = store.stats()
     assert (s["load_errors"], s["failed"], s["host_loads"]) == (2, 1, 1)
 
+    # gone already when registered: registered as failed, and that failure stands (and says so: no retry_after_s)
+    late = synth.write_adapter(tmp_path / "late" / "gone", tiny_cfg, rank=4, seed=seed_of(rng))
+    (late / "adapter_model.safetensors").unlink()
+    assert store.register_dir(late.parent) == ["gone"]
+    now[0] += 10 * RETRY_AFTER_S
+    with pytest.raises(AdapterError, match="missing") as info:
+        store.acquire("gone")
+    assert info.value.retry_after_s is None and "gone" in store.host.errors()
+
 
 def test_failures_expire_only_for_failed_reads_that_may_pass():
     now = [0.0]
@@ -316,7 +326,7 @@ def test_failures_expire_only_for_failed_reads_that_may_pass():
     assert [n for n, _ in failures.items()] == ["invalid"] and 42 not in failures
 
 
-def test_rejecting_marks_os_errors_as_failures_that_may_pass():
+def test_os_errors_are_failures_that_may_pass_and_wrappers_keep_that():
     def unreadable():
         raise PermissionError(13, "Permission denied", "/x/adapter_model.safetensors")
 
@@ -335,3 +345,6 @@ def test_rejecting_marks_os_errors_as_failures_that_may_pass():
     with pytest.raises(AdapterError, match="slow") as info:
         rejecting("a", passing)
     assert info.value.retry_after_s == 7 and info.value.adapter == "a"
+    with pytest.raises(AdapterError, match="its part 'p': slow") as info:  # a mix's read fails as its part's did
+        MixSource._of_part(lambda part: passing(), "p", "mix")  # noqa: SLF001
+    assert info.value.retry_after_s == 7 and info.value.adapter == "mix"

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import pytest
 
 pytest.importorskip("ray.serve.request_router")
-from slora_jax.serve import ray_router  # noqa: E402
 from slora_jax.serve.ray_router import HOT, LOAD_SLACK, LOAD_WINDOW, AdapterAffinityRouter  # noqa: E402
 
 
@@ -90,8 +89,12 @@ def test_no_bound_before_the_window_fills_and_routing_is_recorded():
     assert ids(r.affinity_ranks([a, b], "x")) == [["b", "a"]]
 
 
-def test_the_window_forgets_old_choices():
+def test_choices_for_replicas_gone_since_do_not_count():
+    """After a scale-down the window still holds choices for the replica that left: they neither fill the window
+    nor count towards a fair share, so the bound waits for a window's worth of choices among the replicas here."""
+    a, b = FakeReplica("a", {"device": ["x"]}), FakeReplica("b")
     r = router()
-    r.recent.extend([("a", "x")] * LOAD_WINDOW)
-    r.recent.extend([("b", "y")] * LOAD_WINDOW)
-    assert set(r.recent) == {("b", "y")} and ray_router.LOAD_WINDOW == len(r.recent)
+    window(r, ("gone", "y", LOAD_WINDOW // 4), ("a", "x", LOAD_WINDOW * 3 // 4))
+    assert ids(r.affinity_ranks([a, b], "x"))[0] == ["a"]  # 48 of 64 for "a", but only 48 seen here: no bound yet
+    r.recent.extend([("a", "x")] * (LOAD_WINDOW // 4))  # the gone replica's choices age out
+    assert ids(r.affinity_ranks([a, b], "x")) == [["b", "a"]]

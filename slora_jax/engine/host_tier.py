@@ -363,7 +363,10 @@ class HostTier:
         return entry
 
     def _validated_entry(self, name: str, source: AdapterSource) -> AdapterEntry:
-        ranks = source.rank_table(name, self.model_cfg, self.max_rank)
+        try:
+            ranks = source.rank_table(name, self.model_cfg, self.max_rank)
+        except AdapterError as e:  # a registration's failure stands (a wrong path is no reason to retry): a 400
+            raise type(e)(e.adapter, e.reason) from None
         vectors = int((ranks.astype(np.int64) @ self._widths).max(initial=0))
         pages = math.ceil(vectors / self.pool.page_rows)
         if pages > min(self.pool.num_pages, self.pool.max_pages):

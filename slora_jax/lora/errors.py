@@ -56,7 +56,7 @@ def rejecting(name: str, fn: Callable[..., T], *args, **kwargs) -> T:
         error = AdapterError(name, "too large to read into memory")
     except OSError as e:
         error = AdapterError(name, f"cannot read {e.filename or 'a file'}: {e.strerror or type(e).__name__}",
-                             RETRY_AFTER_S)  # the disk may come back (kept only where reads fail, not validation)
+                             RETRY_AFTER_S)  # the disk may come back (a registration's failure stands all the same)
     except Exception as e:  # any other failure of one adapter's files must not escape as a server error
         error = AdapterError(name, f"invalid adapter: {type(e).__name__}: {e}")
     try:

@@ -130,4 +130,4 @@ class MixSource(AdapterSource):
         try:
             return fn(part)
         except AdapterError as e:
-            raise AdapterError(name, f"its part {part[:100]!r}: {e.reason}") from None
+            raise AdapterError(name, f"its part {part[:100]!r}: {e.reason}", e.retry_after_s) from None

@@ -14,12 +14,12 @@ adapter goes to the shortest queue.
 
 Load is bounded before a replica is full: a holder that took more than ``1 + LOAD_SLACK`` times its fair share of
 this router's last ``LOAD_WINDOW`` choices drops out of the holder ranks for hot adapters (``HOT`` or more of those
-choices), so their requests spill to the least-loaded replica, which then holds them too: a hot adapter ends up on
-several replicas, moving the most load for one extra read; a cold one stays where it is (moving it would cost a read
-and move almost no load). Without
-the bound, power-law popularity pins the hottest adapter's share (a fifth of the traffic for 50 adapters) to wherever
-it first landed, and one of two replicas served up to two thirds of a window at low concurrency. The last rank (every
-replica) is ordered least-loaded first, which is the order Ray keeps among equally short queues.
+choices). Their requests fall to the last rank, every replica, where Ray takes the shortest queue; that rank is
+ordered by recent load, least first, which is the order Ray keeps among equally short queues. The replica that takes
+a hot adapter then holds it too: a hot adapter ends up on several replicas, moving the most load for one extra read;
+a cold one stays where it is (moving it would cost a read and move almost no load). Without the bound, power-law
+popularity pins the hottest adapter's share (a fifth of the traffic for 50 adapters) to wherever it first landed, and
+one of two replicas served up to two thirds of a window at low concurrency.
 
 Two other modes, chosen per request with the ``routing`` keyword of the call, exist to measure this one against:
 ``multiplex`` (Ray's own: multiplexed model ids, then power of two choices) and ``random``.
@@ -60,11 +60,12 @@ class AdapterAffinityRouter(FIFOMixin, MultiplexMixin, RequestRouter):
 
     # ---------------------------------------------------------------- choosing
     def overloaded(self, replicas: list[RunningReplica], counts: Counter) -> set:
-        """Ids of replicas that took more than (1 + LOAD_SLACK) times a fair share of the recent choices (a full
-        window only: a few requests say nothing about load)."""
-        if len(self.recent) < LOAD_WINDOW or len(replicas) < 2:
+        """Ids of replicas that took more than (1 + LOAD_SLACK) times a fair share of the recent choices that went
+        to the replicas here now (choices for replicas gone since do not count), once there are a window's worth."""
+        seen = sum(counts[r.replica_id] for r in replicas)
+        if seen < LOAD_WINDOW or len(replicas) < 2:
             return set()
-        cap = (1 + LOAD_SLACK) * LOAD_WINDOW / len(replicas)
+        cap = (1 + LOAD_SLACK) * seen / len(replicas)
         return {r.replica_id for r in replicas if counts[r.replica_id] > cap}
 
     def affinity_ranks(self, replicas: list[RunningReplica], adapter: str) -> list[list[RunningReplica]]:
