@@ -13,9 +13,15 @@ fixed number of times, with fixed shapes (no compile per batch content) and no b
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.keep_threshold import float_key, key_value
+from pallas_kernels.keep_threshold import keep_threshold as pallas_keep_threshold
+from pallas_kernels.keep_threshold import search_rounds as key_search_rounds
 
 CHUNK = 32  # top_k: vocabulary entries per chunk (V / CHUNK chunk maxima, then k * CHUNK candidates)
 PIVOTS = 3  # keep_threshold: pivots per round (4-way search: 16 rounds over 2**32 keys)
@@ -23,12 +29,15 @@ PIVOTS = 3  # keep_threshold: pivots per round (4-way search: 16 rounds over 2**
 # benchmarks/sampler_cost.py --variants): "stacked" one reduction over [R, PIVOTS, V]; "siblings" one [R, V]
 # reduction per pivot (XLA's multi-output fusion reads the row once for all); "stored" siblings reading a stored
 # exp(x - max) instead of recomputing it in every round; "auto" siblings from SIBLINGS_FROM_ROWS rows up, else
-# stacked (H200, 2026-12-01, pivots 3: stacked 64 / 288 / 566 us at 1 / 128 / 256 rows, siblings 103 / 224 / 367 us)
-FORM = "auto"
+# stacked (H200, 2026-12-01, pivots 3: stacked 64 / 288 / 566 us at 1 / 128 / 256 rows, siblings 103 / 224 / 367 us);
+# "pallas" the whole search as one kernel (pallas_kernels/keep_threshold.py; PIVOTS + 1 a power of two), one launch
+# instead of ~67: not the default until an H200 run times it (benchmarks/sampler_cost.py --variants pallas-p3; in
+# the engine, SLORA_JAX_KEEP_THRESHOLD=pallas)
+FORMS = ("auto", "stacked", "siblings", "stored", "pallas")
+FORM = os.environ.get("SLORA_JAX_KEEP_THRESHOLD", "auto")
+if FORM not in FORMS:
+    raise ValueError(f"SLORA_JAX_KEEP_THRESHOLD={FORM!r}: one of {', '.join(FORMS)}")
 SIBLINGS_FROM_ROWS = 128
-_SIGN = np.uint32(0x80000000)
-_LOW31 = np.int32(0x7FFFFFFF)
-_FULL_WIDTH = 0xFF000002  # key(+inf) - (key(-inf) - 1): the search's first bracket
 
 
 def top_k(x: jax.Array, k: int, chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
@@ -55,10 +64,7 @@ def top_k(x: jax.Array, k: int, chunk: int = CHUNK) -> tuple[jax.Array, jax.Arra
 
 def search_rounds(pivots: int = PIVOTS) -> int:
     """Rounds of :func:`keep_threshold` that narrow any bracket of float32 keys down to one key."""
-    width, rounds = _FULL_WIDTH, 0
-    while width > 1:
-        width, rounds = -(-width // (pivots + 1)), rounds + 1
-    return rounds
+    return key_search_rounds(pivots)
 
 
 def keep_threshold(x: jax.Array, k: jax.Array, top_p: jax.Array, pivots: int | None = None,
@@ -77,6 +83,8 @@ def keep_threshold(x: jax.Array, k: jax.Array, top_p: jax.Array, pivots: int | N
     pivots, form = pivots or PIVOTS, form or FORM
     if form == "auto":  # the row count is static: one form per compiled bucket
         form = "siblings" if x.shape[0] >= SIBLINGS_FROM_ROWS else "stacked"
+    if form == "pallas":
+        return pallas_keep_threshold(x, k, top_p, pivots=pivots)
     x = x + 0.0  # -0.0 -> +0.0: the same value, one key
     m = jnp.max(x, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -85,16 +93,16 @@ def keep_threshold(x: jax.Array, k: jax.Array, top_p: jax.Array, pivots: int | N
         e = jax.lax.optimization_barrier(e)  # written once, read by every round
     budget = jnp.where(top_p >= 1.0, jnp.inf, top_p * jnp.sum(e, axis=-1))  # mass(> t) < top_p, in units of e
     k = k.astype(jnp.int32)
-    lo = jnp.full(k.shape, _key(jnp.float32(-jnp.inf)) - 1)  # predicate false (below every key)
-    hi = jnp.full(k.shape, _key(jnp.float32(jnp.inf)))  # predicate true (nothing above +inf)
+    lo = jnp.full(k.shape, float_key(jnp.float32(-jnp.inf)) - 1)  # predicate false (below every key)
+    hi = jnp.full(k.shape, float_key(jnp.float32(jnp.inf)))  # predicate true (nothing above +inf)
     for _ in range(search_rounds(pivots)):
         width = hi - lo
         step = width // np.uint32(pivots + 1) + (width % np.uint32(pivots + 1) != 0)  # ceil, without overflow
         q = lo[:, None] + jnp.minimum(step[:, None] * np.arange(1, pivots + 1, dtype=np.uint32), width[:, None])
-        count, mass = _count_and_mass_above(x, e, _value(q), form)
+        count, mass = _count_and_mass_above(x, e, key_value(q), form)
         ok = (count < k[:, None]) & (mass < budget[:, None])  # [R, pivots]: False then True (monotone)
         lo, hi = jnp.max(jnp.where(ok, lo[:, None], q), axis=-1), jnp.min(jnp.where(ok, q, hi[:, None]), axis=-1)
-    return _value(hi)[:, None]
+    return key_value(hi)[:, None]
 
 
 def _count_and_mass_above(x, e, t, form: str):
@@ -115,16 +123,3 @@ def _count_and_mass_above(x, e, t, form: str):
 
 def _add_pairs(a, b):
     return a[0] + b[0], a[1] + b[1]
-
-
-def _key(v: jax.Array) -> jax.Array:
-    """float32 -> uint32 with the same order (-inf lowest, +inf highest)."""
-    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
-    return jax.lax.bitcast_convert_type(jnp.where(bits < 0, bits ^ _LOW31, bits), jnp.uint32) ^ _SIGN
-
-
-def _value(key: jax.Array) -> jax.Array:
-    """The inverse of :func:`_key`."""
-    bits = jax.lax.bitcast_convert_type(key ^ _SIGN, jnp.int32)
-    return jax.lax.bitcast_convert_type(jnp.where(bits < 0, bits ^ _LOW31, bits), jnp.float32)
-
