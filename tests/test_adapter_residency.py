@@ -298,6 +298,7 @@ def test_an_adapter_whose_read_may_pass_answers_503_then_serves_after_its_wait(s
         for _ in range(2):  # the failed read, then its recorded failure: the server's fault both times, not the
             r = http.post("/v1/completions", json=body)  # request's
             assert r.status_code == 503 and "disk is away" in r.json()["error"]["message"], r.text
+            assert r.headers["retry-after"] == "30"  # openai's client waits that long before its retry
         assert "disk is away" in states(http)["away"]["error"]
         source.away = False
         now[0] += 31  # past its wait: the next use reads it again

@@ -7,6 +7,7 @@ and anything unexpected are translated here, so no route has to think about the 
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,7 +37,8 @@ def validation_message(exc: RequestValidationError) -> str:
 
 
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    headers = None if exc.retry_after_s is None else {"Retry-After": str(math.ceil(exc.retry_after_s))}
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:

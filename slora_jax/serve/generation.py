@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..engine.engine import QueueFull, RequestRejected
 from ..engine.forks import sample_ids
 from ..engine.sequence import RequestOutput
+from ..lora.errors import RETRY_AFTER_S
 from ..lora.peft import AdapterError
 from .choices import BackendDecoder, Choice
 from .engine_thread import EngineHandle, EngineUnavailable, RequestStream
@@ -157,7 +158,7 @@ class Generation:
             if choice.error_kind == DEADLINE:
                 return APIError(503, message, error_type="deadline_exceeded")
             if choice.error_kind == UNAVAILABLE:
-                return APIError(503, message)
+                return APIError(503, message, retry_after_s=RETRY_AFTER_S)
             return APIError(400 if choice.error_kind in CLIENT_FAULTS else 500, message)
         return APIError(503, choice.error or f"the request was aborted ({choice.finish_reason})")  # shutting down
 
@@ -291,7 +292,8 @@ class GenerationRunner:
         except KeyError as e:
             raise APIError(404, str(e.args[0]) if e.args else "unknown adapter", "model") from None
         except AdapterError as e:  # a failure that may pass is the server's (503), not the request's
-            raise APIError(400 if e.retry_after_s is None else 503, str(e), "model") from None
+            raise APIError(400 if e.retry_after_s is None else 503, str(e), "model",
+                           retry_after_s=e.retry_after_s) from None
         except RequestRejected as e:
             raise APIError(400, str(e), e.param) from None
         except ValueError as e:

@@ -27,9 +27,13 @@ class APIError(Exception):
              413: "invalid_request_error",
              429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, error_type: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, error_type: str | None = None,
+                 retry_after_s: float | None = None):
+        """``retry_after_s``: sent as ``Retry-After`` (whole seconds, rounded up), which clients such as openai's
+        wait for before they retry."""
         super().__init__(message)
         self.status, self.message, self.param, self.error_type = status, message, param, error_type
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.error_type)
