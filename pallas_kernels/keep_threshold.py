@@ -63,31 +63,34 @@ def _kernel(x_ref, k_ref, p_ref, out_ref, *, vocab: int, chunk: int, pivots: int
         return x + 0.0  # -0.0 -> +0.0: one key per value
 
     m = lax.fori_loop(0, n_chunks, lambda c, acc: jnp.maximum(acc, jnp.max(chunk_at(c))), jnp.float32(-jnp.inf))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = jnp.where(jnp.abs(m) < jnp.inf, m, 0.0)  # no NaN here: finite
     total = lax.fori_loop(0, n_chunks, lambda c, acc: acc + jnp.sum(jnp.exp(chunk_at(c) - m)), jnp.float32(0.0))
     k = k_ref[row]
     top_p = p_ref[row]
     budget = jnp.where(top_p >= 1.0, jnp.float32(jnp.inf), top_p * total)
-    steps = jnp.arange(1, pivots + 1, dtype=jnp.uint32)
+    # pivots + 1 lanes (Triton's shapes are powers of two): the last is hi itself, where the predicate holds (forced,
+    # so it never moves the bracket: the same search as pivots lanes)
+    lanes = jnp.arange(1, pivots + 2, dtype=jnp.uint32)
+    last = lanes == np.uint32(pivots + 1)
 
     def one_round(_, bracket):
         lo, hi = bracket
         width = hi - lo
         step = (width >> shift) + ((width & low_bits) != 0).astype(jnp.uint32)  # ceil(width / (pivots + 1))
-        q = lo + jnp.minimum(step * steps, width)  # [pivots] keys, ascending
+        q = lo + jnp.minimum(step * lanes, width)  # [pivots + 1] keys, ascending
         t = key_value(q)
 
         def stats(c, acc):
             count, mass = acc
             x = chunk_at(c)
-            above = x[None, :] > t[:, None]  # [pivots, chunk]
+            above = x[None, :] > t[:, None]  # [pivots + 1, chunk]
             e = jnp.exp(x - m)[None, :]
             return (count + jnp.sum(above.astype(jnp.int32), axis=1),
                     mass + jnp.sum(jnp.where(above, e, 0.0), axis=1))
 
-        count, mass = lax.fori_loop(0, n_chunks, stats, (jnp.zeros((pivots,), jnp.int32),
-                                                         jnp.zeros((pivots,), jnp.float32)))
-        ok = (count < k) & (mass < budget)  # False then True along the pivots (the predicate grows with x)
+        count, mass = lax.fori_loop(0, n_chunks, stats, (jnp.zeros((pivots + 1,), jnp.int32),
+                                                         jnp.zeros((pivots + 1,), jnp.float32)))
+        ok = ((count < k) & (mass < budget)) | last  # False then True along the lanes (the predicate grows with x)
         return jnp.max(jnp.where(ok, lo, q)), jnp.min(jnp.where(ok, q, hi))
 
     _, hi = lax.fori_loop(0, rounds, one_round, (jnp.uint32(_KEY_BELOW_NEG_INF), jnp.uint32(_KEY_POS_INF)))

@@ -1,7 +1,8 @@
 """The keep-threshold search as one Pallas kernel (pallas_kernels/keep_threshold.py) against a sort in float64
 (test_sampling_filter's reference: the kept set with top_p a hair lower and a hair higher bound the kernel's), and
 against the jnp search it replaces: rows of mixed kinds, several chunks a row with a ragged last one, every pivot
-count the kernel takes. Interpret mode on CPU (tiny rows); compiled on a GPU."""
+count the kernel takes. Interpret mode on CPU (tiny rows), and lowered to Triton for CUDA there too (the Triton
+lowering's own checks); compiled on a GPU."""
 
 from __future__ import annotations
 
@@ -71,6 +72,17 @@ def test_the_sampler_on_the_kernel_samples_what_it_samples_on_the_jnp_search(mon
     monkeypatch.setattr(vocab_select, "FORM", "pallas")  # read when traced: a fresh jit
     got = np.asarray(jax.jit(lambda lg, sa: sample(lg, sa))(*args))
     assert (got == want).sum() >= len(want) - 1, (got, want)
+
+
+@pytest.mark.parametrize(("rows", "vocab", "pivots"), [(1, 32000, 3), (256, 32000, 3), (64, 128256, 7)])
+def test_the_kernel_lowers_to_triton_for_a_gpu(rows, vocab, pivots):
+    """Lowered for CUDA here, on the CPU (jaxlib carries Triton's dialects): every primitive has its Triton rule and
+    every block shape is a power of two, as the Triton lowering demands and interpret mode does not check."""
+    shapes = (jax.ShapeDtypeStruct((rows, vocab), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.int32),
+              jax.ShapeDtypeStruct((rows,), jnp.float32))
+    fn = jax.jit(lambda a, b, c: keep_threshold(a, b, c, pivots=pivots, interpret=False))
+    text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and f"keep_threshold_p{pivots}_c2048" in text
 
 
 @gpu
