@@ -30,14 +30,14 @@ def test_the_engine_built_from_the_flags_has_one_slot_per_row(tiny_dir):
 
 def test_adapter_host_memory_and_read_processes_follow_the_host_unless_set(tiny_dir, monkeypatch):
     """Host rows: 40% of the memory available at start unless --adapter-host-gb; reads on the IO threads on CPU
-    unless --adapter-read-processes (4 worker processes on an accelerator)."""
+    unless --adapter-read-processes (5 worker processes on an accelerator)."""
     from slora_jax.engine import compile_counter
     from slora_jax.engine.config import resolve_host_budget, resolve_read_processes
     from slora_jax.engine.read_workers import InlineReader, ReadWorkers
 
     assert resolve_host_budget(None, 100 << 30) == 40 << 30 and resolve_host_budget(None, 1 << 30) == 1 << 30
     assert resolve_host_budget(None, 1 << 50) == 8 << 30 and resolve_host_budget(123, 1 << 40) == 123
-    assert resolve_read_processes(None, "cpu") == 0 and resolve_read_processes(None, "gpu") == 4
+    assert resolve_read_processes(None, "cpu") == 0 and resolve_read_processes(None, "gpu") == 5
     assert resolve_read_processes(2, "cpu") == 2
     with pytest.raises(ValueError, match="adapter_read_processes"):
         resolve_read_processes(-1, "gpu")

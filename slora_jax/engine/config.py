@@ -44,12 +44,14 @@ def resolve_stable_inputs(stable: bool | None, platform: str) -> bool:
 
 
 def resolve_read_processes(processes: int | None, platform: str) -> int:
-    """None -> 4 adapter read processes on an accelerator (where the engine thread keeps the GIL busy), 0 on CPU."""
+    """None -> 5 adapter read processes on an accelerator (where the engine thread keeps the GIL busy): one for each
+    of the store's 4 IO threads and one for the engine thread's own inline read (``HostTier.rows_now``), which then
+    never queues behind read-aheads; 0 on CPU."""
     if processes is not None:
         if processes < 0:
             raise ValueError(f"adapter_read_processes must be >= 0, got {processes}")
         return processes
-    return 0 if platform == "cpu" else 4
+    return 0 if platform == "cpu" else 5
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host memory for adapters read from disk (default: 40%% of the memory available at start, "
                    "at least 1 GB), so a served adapter is read from disk once")
     g.add_argument("--adapter-read-processes", type=int, default=None, metavar="N",
-                   help="processes reading adapter files, so reads never wait on the engine thread (default 4 on a "
-                   "GPU, 0 on CPU: read on the IO threads)")
+                   help="processes reading adapter files, so reads never wait on the engine thread (default 5 on a "
+                   "GPU: the 4 IO threads' and the engine thread's; 0 on CPU: read on the IO threads)")
     g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
     e = p.add_argument_group("engine")
     e.add_argument("--pool-gb", type=float, default=None,
