@@ -26,8 +26,8 @@ from pallas_kernels.lowering import any_spec, is_pow2, load, pallas_call, store
 CHUNK = 2048  # entries of a row read per loop step (a power of two)
 _SIGN = np.uint32(0x80000000)
 _LOW31 = np.int32(0x7FFFFFFF)
-_KEY_BELOW_NEG_INF = np.uint32(0x007FFFFE)  # key(-inf) - 1: the predicate is false below every key
-_KEY_POS_INF = np.uint32(0xFF800000)  # key(+inf): nothing lies above it, the predicate holds
+KEY_BELOW_NEG_INF = np.uint32(0x007FFFFE)  # float_key(-inf) - 1: the predicate is false below every key
+KEY_POS_INF = np.uint32(0xFF800000)  # float_key(+inf): nothing lies above it, the predicate holds
 
 
 def float_key(v: jax.Array) -> jax.Array:
@@ -44,7 +44,7 @@ def key_value(key: jax.Array) -> jax.Array:
 
 def search_rounds(pivots: int) -> int:
     """Rounds that narrow the first bracket (key(-inf) - 1, key(+inf)] to one key with ``pivots`` a round."""
-    width, rounds = int(_KEY_POS_INF) - int(_KEY_BELOW_NEG_INF), 0
+    width, rounds = int(KEY_POS_INF) - int(KEY_BELOW_NEG_INF), 0
     while width > 1:
         width, rounds = -(-width // (pivots + 1)), rounds + 1
     return rounds
@@ -93,7 +93,7 @@ def _kernel(x_ref, k_ref, p_ref, out_ref, *, vocab: int, chunk: int, pivots: int
         ok = ((count < k) & (mass < budget)) | last  # False then True along the lanes (the predicate grows with x)
         return jnp.max(jnp.where(ok, lo, q)), jnp.min(jnp.where(ok, q, hi))
 
-    _, hi = lax.fori_loop(0, rounds, one_round, (jnp.uint32(_KEY_BELOW_NEG_INF), jnp.uint32(_KEY_POS_INF)))
+    _, hi = lax.fori_loop(0, rounds, one_round, (jnp.uint32(KEY_BELOW_NEG_INF), jnp.uint32(KEY_POS_INF)))
     store(out_ref.at[jnp.full((1,), row, dtype=jnp.int32)], jnp.full((1,), key_value(hi), jnp.float32))
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_sampling_filter import _arrays, _batch, _ref_bounds
 
-from pallas_kernels.keep_threshold import keep_threshold
+from pallas_kernels.keep_threshold import KEY_BELOW_NEG_INF, KEY_POS_INF, float_key, keep_threshold, key_value
 from slora_jax.engine import vocab_select
 from slora_jax.engine.sampling import sample
 
@@ -50,6 +50,20 @@ def test_kernel_keeps_what_a_sort_keeps(pivots, chunk, vocab):
         jnp.asarray(x), jnp.asarray(k), jnp.asarray(top_p)))
     same = (x >= theta) == (x >= jnp_theta)  # the same kept set but where a mass sum lands within rounding of top_p
     assert same.all(axis=1).sum() >= len(x) - 1, np.flatnonzero(~same.all(axis=1))
+
+
+def test_keys_keep_the_order_of_floats_and_the_bracket_constants_are_theirs():
+    rng = np.random.default_rng()
+    x = np.concatenate([rng.standard_normal(500).astype(np.float32) * rng.choice([1e-30, 1.0, 1e30], 500),
+                        np.array([-np.inf, np.inf, 0.0, -0.0, np.finfo(np.float32).tiny])]).astype(np.float32)
+    keys = np.asarray(float_key(jnp.asarray(x)))
+    np.testing.assert_array_equal(np.asarray(key_value(jnp.asarray(keys))), x)
+    x = x + np.float32(0.0)  # -0.0 -> +0.0, as the searches do: then keys order as the values
+    keys = np.asarray(float_key(jnp.asarray(x))).astype(np.int64)
+    order = np.argsort(x, kind="stable")
+    assert (np.diff(keys[order]) >= 0).all() and (np.diff(keys[order]) > 0).sum() == len(np.unique(x)) - 1
+    assert int(float_key(jnp.float32(-jnp.inf))) - 1 == int(KEY_BELOW_NEG_INF)
+    assert int(float_key(jnp.float32(jnp.inf))) == int(KEY_POS_INF)
 
 
 def test_the_pallas_form_is_the_kernel_and_rejects_odd_pivots():

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.keep_threshold import float_key, key_value
+from pallas_kernels.keep_threshold import KEY_BELOW_NEG_INF, KEY_POS_INF, key_value
 from pallas_kernels.keep_threshold import keep_threshold as pallas_keep_threshold
 from pallas_kernels.keep_threshold import search_rounds as key_search_rounds
 
@@ -93,8 +93,8 @@ def keep_threshold(x: jax.Array, k: jax.Array, top_p: jax.Array, pivots: int | N
         e = jax.lax.optimization_barrier(e)  # written once, read by every round
     budget = jnp.where(top_p >= 1.0, jnp.inf, top_p * jnp.sum(e, axis=-1))  # mass(> t) < top_p, in units of e
     k = k.astype(jnp.int32)
-    lo = jnp.full(k.shape, float_key(jnp.float32(-jnp.inf)) - 1)  # predicate false (below every key)
-    hi = jnp.full(k.shape, float_key(jnp.float32(jnp.inf)))  # predicate true (nothing above +inf)
+    lo = jnp.full(k.shape, KEY_BELOW_NEG_INF)  # predicate false (below every key)
+    hi = jnp.full(k.shape, KEY_POS_INF)  # predicate true (nothing above +inf)
     for _ in range(search_rounds(pivots)):
         width = hi - lo
         step = width // np.uint32(pivots + 1) + (width % np.uint32(pivots + 1) != 0)  # ceil, without overflow

@@ -81,7 +81,7 @@ class AdapterAdmin:
         except AdapterNotAllowed as e:
             raise APIError(403, str(e), "lora_path") from None
         except AdapterError as e:  # one that may pass (a disk away): not registered, retry later
-            raise APIError(400 if e.retry_after_s is None else 503, str(e), "lora_path") from None
+            raise APIError.of_adapter(e, 400, "lora_path") from None
         except OSError as e:
             raise APIError(400, f"adapter {name!r}: {e}", "lora_path") from None
         except ValueError as e:  # the name was taken meanwhile
@@ -109,7 +109,7 @@ class AdapterAdmin:
         except AdapterError as e:
             if not self.engine.has_adapter(name):
                 raise APIError(404, f"no adapter named {name!r} is loaded", "lora_name") from None
-            raise APIError(409 if e.retry_after_s is None else 503, f"cannot pin: {e}", "lora_name") from None
+            raise APIError.of_adapter(e, 409, "lora_name", f"cannot pin: {e}") from None
         except TimeoutError:
             raise APIError(503, f"reading adapter {name!r} took longer than {timeout} s", "lora_name") from None
 
@@ -120,8 +120,7 @@ class AdapterAdmin:
         except KeyError:
             raise APIError(404, f"no adapter named {name!r} is loaded", "lora_name") from None
         except (AdapterError, NoRoom) as e:
-            status = 503 if getattr(e, "retry_after_s", None) is not None else 409  # a read that may pass
-            raise APIError(status, f"cannot pin: {e}", "lora_name") from None
+            raise APIError.of_adapter(e, 409, "lora_name", f"cannot pin: {e}") from None
 
     async def unpin(self, runner, name: str, timeout: float | None = None) -> dict:
         """Drop one explicit pin through ``runner``; its state."""

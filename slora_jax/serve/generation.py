@@ -291,9 +291,8 @@ class GenerationRunner:
             raise APIError(429, f"the server is busy: {e}") from None
         except KeyError as e:
             raise APIError(404, str(e.args[0]) if e.args else "unknown adapter", "model") from None
-        except AdapterError as e:  # a failure that may pass is the server's (503), not the request's
-            raise APIError(400 if e.retry_after_s is None else 503, str(e), "model",
-                           retry_after_s=e.retry_after_s) from None
+        except AdapterError as e:
+            raise APIError.of_adapter(e, 400, "model") from None
         except RequestRejected as e:
             raise APIError(400, str(e), e.param) from None
         except ValueError as e:

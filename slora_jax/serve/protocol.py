@@ -35,6 +35,14 @@ class APIError(Exception):
         self.status, self.message, self.param, self.error_type = status, message, param, error_type
         self.retry_after_s = retry_after_s
 
+    @classmethod
+    def of_adapter(cls, e: Exception, status: int, param: str, message: str | None = None) -> APIError:
+        """``status`` for an adapter's failure ``e``, but 503 with ``Retry-After`` for one that may pass (its
+        ``retry_after_s`` set: a disk away, a read that timed out): the server's trouble, not the request's."""
+        retry = getattr(e, "retry_after_s", None)
+        return cls(status if retry is None else 503, str(e) if message is None else message, param,
+                   retry_after_s=retry)
+
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.error_type)
 
