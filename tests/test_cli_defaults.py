@@ -3,6 +3,7 @@ has rows unless --max-loras says otherwise, and the engine built from the flags 
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from slora_jax.serve.cli import batch_size, build_engine, build_parser, max_loras
@@ -44,14 +45,19 @@ def test_adapter_host_memory_and_read_processes_follow_the_host_unless_set(tiny_
     monkeypatch.setattr(compile_counter, "available_memory", lambda: 30 << 30)
     base = ["--model", str(tiny_dir), "--num-pages", "128", "--max-model-len", "64", "--no-warmup",
             "--no-compilation-cache"]
+    on_cpu = jax.default_backend() == "cpu"
     engine, _, _ = build_engine(build_parser().parse_args(base))
-    assert engine.store.host.host_budget_bytes == 12 << 30 and isinstance(engine.store.host._reader, InlineReader)
-    engine.store.close()
+    try:
+        assert engine.store.host.host_budget_bytes == 12 << 30
+        assert isinstance(engine.store.host._reader, InlineReader if on_cpu else ReadWorkers)
+        assert (engine.runner._stable is None) == on_cpu  # stable step inputs: on by default only on a GPU
+    finally:
+        engine.store.close()
     engine, _, _ = build_engine(build_parser().parse_args(base + ["--adapter-host-gb", "0.5",
                                                                   "--adapter-read-processes", "1"]))
     try:
         assert engine.store.host.host_budget_bytes == 1 << 29 and isinstance(engine.store.host._reader, ReadWorkers)
-        assert engine.runner._stable is None  # CPU default
+        assert engine.store.host._reader._n == 1
     finally:
         engine.store.close()
     engine, _, _ = build_engine(build_parser().parse_args(base + ["--stable-step-inputs"]))
