@@ -4,7 +4,11 @@
 # carry [".whl"], command `bash benchmarks/h200/call_suite.sh`; extra arguments go to pytest (a dry run here:
 # `H200_DRY=1 WORKERS=2 bash benchmarks/h200/call_suite.sh tests/test_structure.py`).
 # $OUT: gpu_suite.log (the whole pytest output, one line per test) and <date>_gpu_suite_h200.json (counts, failures,
-# the 25 slowest tests, the 20 longest files); the table at the end is what the lead records in benchmarks/NOTES.md.
+# the 25 slowest tests, the 20 longest files, and "compile": the compile ledger's sums, below); the table at the end
+# is what the lead records in benchmarks/NOTES.md.
+# The compile ledger (tests/conftest.py): every worker writes one JSON line per test, its JAX compiles' count and
+# seconds by phase, to a dir under /tmp that summary.py sums into the JSON (the dir itself is not copied to $OUT).
+# COMPILE_LEDGER=0 turns it off.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 # shellcheck source=benchmarks/h200/setup.sh
@@ -14,6 +18,11 @@ GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head 
 log=$OUT/gpu_suite.log
 limit=$(( $(left) - 20 ))  # summary and copy after it
 echo "suite: WORKERS=$WORKERS, pytest limit $limit s, log $log"
+ledger=""
+if [ "${COMPILE_LEDGER:-1}" != 0 ]; then
+    ledger=$(mktemp -d /tmp/slora-compile-ledger.XXXXXX) && export SLORA_TEST_COMPILE_LEDGER="$ledger"
+    echo "suite: compile ledger in $ledger"
+fi
 start=$(date +%s)
 # -v -v on top of gpu-suite's -q: one line per finished test, so a run cut by the limit still names its failures.
 # timeout signals the whole process group: pytest, its workers and the servers they started.
@@ -21,5 +30,5 @@ timeout -k 15 "$limit" .ci/gpu-suite -p no:cacheprovider --durations=0 -v -v "$@
 rc=$?
 wall=$(( $(date +%s) - start ))
 tail -n 8 "$log" | cut -c1-200
-python3 benchmarks/h200/summary.py suite "$log" "$OUT/${DATE}_gpu_suite_h200.json" "$wall" "$rc"
+python3 benchmarks/h200/summary.py suite "$log" "$OUT/${DATE}_gpu_suite_h200.json" "$wall" "$rc" ${ledger:+"$ledger"}
 exit "$rc"

@@ -1,6 +1,8 @@
 """The short tables the H200 calls print last (the run tool returns only the output's tail), and the suite's JSON.
 
-    python3 benchmarks/h200/summary.py suite LOG OUT_JSON WALL_S RC   # the GPU suite's log -> counts, failures, slowest
+    python3 benchmarks/h200/summary.py suite LOG OUT_JSON WALL_S RC [LEDGER_DIR]
+        # the GPU suite's log -> counts, failures, slowest; with LEDGER_DIR (or $SLORA_TEST_COMPILE_LEDGER), the
+        # compile ledger tests/conftest.py wrote there -> where the tests' time went to JAX compiles
     python3 benchmarks/h200/summary.py http REPORT.json...             # the HTTP A/B, one row per report
     python3 benchmarks/h200/summary.py bench TABLE.json HOST.json      # decode LoRA table, host time of a step
 """
@@ -33,7 +35,115 @@ def by_file(durations: list[dict]) -> list[dict]:
     return sorted(out, key=lambda f: -f["s"])
 
 
-def suite(log_path: str, out_path: str, wall_s: str, rc: str) -> None:
+def plain_id(test: str) -> str:
+    """A test's id without the "@group" suffix xdist's loadgroup puts in its reports (tests/conftest.py makes the
+    group a test's file, or the test itself for the kernel files); the ledger writes ids without it."""
+    file = test.split("::")[0]
+    if test.endswith("@" + file):
+        return test[: -len(file) - 1]
+    half = len(test) // 2
+    if test[half:half + 1] == "@" and test[:half] == test[half + 1:]:
+        return test[:half]
+    return test
+
+
+LEDGER_SUMS = ("compiles", "compile_s", "eager_n", "eager_s", "trace_n", "trace_s", "lower_n", "lower_s",
+               "cache_hits", "busy_s", "wall_s", "cpu_s")
+LEDGER_COUNTS = ("compiles", "eager_n", "trace_n", "lower_n", "cache_hits")
+
+
+def compile_ledger(ledger_dir: str, durations: list[dict], files: list[dict]) -> dict | None:
+    """The compile ledger (one JSON line per test and pytest process, tests/conftest.py) summed: the suite's compile
+    seconds and count by phase, the 25 tests with the most compile seconds beside their ``--durations`` wall time,
+    compile seconds of the longest files, and the functions that took the most. ``compile_s`` is the backend
+    compile (XLA, Triton, ptxas) summed over threads; ``busy_s`` the wall time with at least one compile running;
+    ``eager_*`` the compiles named after one jax.numpy / lax / nn / random function (an op called outside a jit)."""
+    paths = sorted(Path(ledger_dir).glob("*.jsonl")) if Path(ledger_dir).is_dir() else []
+    if not paths:
+        return None
+    records, bad = [], 0
+    for path in paths:
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a line cut when a worker was killed
+                bad += 1
+    zero = {k: 0 if k in LEDGER_COUNTS else 0.0 for k in LEDGER_SUMS}
+    phases: dict[str, dict] = {}
+    tests: dict[str, dict] = {}
+    fns: dict[str, list] = {}
+    for r in records:
+        test = plain_id(r.get("test", "?"))
+        t = tests.setdefault(test, {"test": test, **zero, "by_phase": {}, "fns": {}})
+        for when, v in (r.get("phases") or {}).items():
+            ph = phases.setdefault(when, dict(zero))
+            for k in LEDGER_SUMS:
+                ph[k] += v.get(k) or 0
+                t[k] += v.get(k) or 0
+            t["by_phase"][when] = round(t["by_phase"].get(when, 0.0) + v.get("compile_s", 0), 2)
+        for name, n, secs in r.get("fns", []):
+            f = fns.setdefault(name, [0, 0.0, 0])
+            f[0], f[1], f[2] = f[0] + n, f[1] + secs, f[2] + 1
+            tf = t["fns"].setdefault(name, [0, 0.0])
+            tf[0], tf[1] = tf[0] + n, tf[1] + secs
+    walls: dict[str, dict] = {}
+    for d in durations:
+        w = walls.setdefault(plain_id(d["test"]), {})
+        w[d["when"]] = w.get(d["when"], 0.0) + d["s"]
+
+    def rounded(d: dict) -> dict:
+        return {k: round(v, 2) if isinstance(v, float) else v for k, v in d.items()}
+
+    total = rounded({k: sum(ph[k] for w, ph in phases.items() if w != "outside") for k in LEDGER_SUMS})
+    by_phase = {w: rounded({**ph, "durations_s": sum(d["s"] for d in durations if d["when"] == w)})
+                for w, ph in phases.items()}
+    top = []
+    for t in sorted(tests.values(), key=lambda t: -t["compile_s"])[:25]:
+        w = walls.get(t["test"], {})
+        row = rounded({k: t[k] for k in ("test", "compile_s", "compiles", "eager_n", "eager_s", "trace_s", "lower_s",
+                                         "busy_s", "cpu_s")})
+        row["wall_s"] = round(sum(w.values()), 2) if w else round(t["wall_s"], 2)
+        row["wall_from"] = "durations" if w else "ledger"
+        row["durations"] = {k: round(v, 2) for k, v in w.items()}
+        row["compile_s_by_phase"] = t["by_phase"]
+        row["top_fns"] = [[name, n, round(secs, 2)] for name, (n, secs) in
+                          sorted(t["fns"].items(), key=lambda kv: -kv[1][1])[:5]]
+        top.append(row)
+    per_file: dict[str, dict] = {}
+    for t in tests.values():
+        f = per_file.setdefault(t["test"].split("::")[0], dict(zero))
+        for k in LEDGER_SUMS:
+            f[k] += t[k]
+    file_rows = [rounded({"file": f["file"], "s": f["s"], "tests": f["tests"],
+                          **{k: per_file.get(f["file"], zero)[k] for k in ("compile_s", "compiles", "eager_s",
+                                                                          "busy_s", "cpu_s")}}) for f in files[:20]]
+    return {"ledger_dir": ledger_dir, "files": len(paths), "records": len(records), "bad_lines": bad,
+            "tests": len(tests), "durations_s": round(sum(d["s"] for d in durations), 2), "total": total,
+            "by_phase": by_phase, "top_tests": top, "by_file": file_rows,
+            "top_fns": [{"fn": name, "compiles": n, "s": round(secs, 2), "tests": nt}
+                        for name, (n, secs, nt) in sorted(fns.items(), key=lambda kv: -kv[1][1])[:25]]}
+
+
+def print_compile(c: dict | None, ledger_dir: str) -> None:
+    """Eight lines at most: totals, phases, the four tests with the most compile seconds, files, functions."""
+    if c is None:
+        print(f"   compile ledger: nothing in {ledger_dir}")
+        return
+    t = c["total"]
+    print(f"   compile: {t['compiles']:.0f} backend compiles {t['compile_s']:.0f} s (eager ops {t['eager_n']:.0f} / "
+          f"{t['eager_s']:.0f} s), busy {t['busy_s']:.0f} s, trace {t['trace_s']:.0f} s, lower {t['lower_s']:.0f} s;"
+          f" tests {c['durations_s']:.0f} s (cpu {t['cpu_s']:.0f} s), {c['tests']} tests, {c['files']} ledger files")
+    print("   compile by phase (compile/busy/durations s): " + "  ".join(
+        f"{w} {ph['compile_s']:.0f}/{ph['busy_s']:.0f}/{ph['durations_s']:.0f}" for w, ph in c["by_phase"].items()))
+    for r in c["top_tests"][:4]:
+        print(f"   compile {r['compile_s']:6.1f} s of {r['wall_s']:6.1f} s, {r['compiles']:4d} ({r['eager_n']:4d} "
+              f"eager)  {r['test'][:120]}")
+    print("   files compile/s: " + ", ".join(f"{f['file'].rsplit('/', 1)[-1]} {f['compile_s']:.0f}/{f['s']:.0f}"
+                                             for f in c["by_file"][:7]))
+    print("   fns: " + ", ".join(f"{f['fn'][:40]} {f['compiles']}x {f['s']:.0f} s" for f in c["top_fns"][:6]))
+
+
+def suite(log_path: str, out_path: str, wall_s: str, rc: str, ledger_dir: str | None = None) -> None:
     text = Path(log_path).read_text(errors="replace").splitlines()
     final = next((m for line in reversed(text) if (m := FINAL.match(line.strip()))), None)
     counts = {}
@@ -57,6 +167,12 @@ def suite(log_path: str, out_path: str, wall_s: str, rc: str) -> None:
               "exit_code": int(rc), "timed_out": int(rc) in (124, 137), "wall_s": float(wall_s),
               "pytest_s": float(final.group(2)) if final else None, "counts": counts, "failures": failures,
               "slowest": durations[:25], "by_file": by_file(durations)[:20], "device": os.environ.get("GPU_NAME", "")}
+    ledger_dir = ledger_dir or os.environ.get("SLORA_TEST_COMPILE_LEDGER")
+    if ledger_dir:
+        try:
+            report["compile"] = compile_ledger(ledger_dir, durations, report["by_file"])
+        except Exception as e:  # noqa: BLE001  (the suite's counts must still be written)
+            report["compile"] = {"error": f"{type(e).__name__}: {e}"}
     Path(out_path).write_text(json.dumps(report, indent=1))
     print(f"\n== GPU suite  {report['date'][:19]}Z  commit {report['git_commit'][:12]}  workers {report['workers']}")
     print(f"   exit {rc}{' (TIMED OUT: counts are partial)' if report['timed_out'] else ''}  wall {float(wall_s):.0f} s"
@@ -68,6 +184,15 @@ def suite(log_path: str, out_path: str, wall_s: str, rc: str) -> None:
         print(f"   {d['s']:7.1f} s  {d['when']:8s} {d['test']}")
     for f in report["by_file"][:8]:  # a file runs on one worker: the longest bounds the suite's wall time
         print(f"   {f['s']:7.1f} s  file     {f['file']} ({f['tests']} tests)")
+    if ledger_dir:
+        c = report["compile"]
+        if c and "error" in c:
+            print(f"   compile ledger: {c['error']}")
+        else:
+            try:
+                print_compile(c, ledger_dir)
+            except Exception as e:  # noqa: BLE001  (it is in the JSON; the table's last line must still come)
+                print(f"   compile ledger: not printed ({type(e).__name__}: {e})")
     print(f"   -> {out_path}")
 
 
@@ -140,7 +265,7 @@ def bench(table_path: str, host_path: str) -> None:
 
 def main() -> None:
     if len(sys.argv) >= 6 and sys.argv[1] == "suite":
-        suite(*sys.argv[2:6])
+        suite(*sys.argv[2:7])
     elif len(sys.argv) == 4 and sys.argv[1] == "bench":
         bench(*sys.argv[2:4])
     elif len(sys.argv) >= 3 and sys.argv[1] == "http":
