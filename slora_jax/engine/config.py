@@ -68,7 +68,7 @@ class EngineConfig:
     # 1 GiB; 8 GiB where it cannot be read): S-LoRA keeps every adapter in host memory, so the default follows the host
     host_budget_bytes: int | None = None
     # processes that read adapter files (engine/read_workers.py: reads then never wait on the engine thread's GIL);
-    # None: 4 on an accelerator, 0 (read on the IO threads) on CPU
+    # None: 5 on an accelerator, 0 (read on the IO threads) on CPU
     adapter_read_processes: int | None = None
     # the step's packed input copied into one persistent device buffer per size, so the step's CUDA graph is not
     # updated for a moved input every call (engine/stable_inputs.py); None: on the GPU, off on CPU; single device only

@@ -1,10 +1,7 @@
-"""The host tier of the adapter store: which adapters are registered (and which failed), a byte-budgeted LRU of them
-already laid out as pool rows, the IO threads that read them from their sources, and their device staging.
-
-Host rows are ``AdapterRows`` in the pool dtype, so moving one to the device is a plain copy. Reads run on a thread
-pool so the engine thread never waits on disk unless it has to. An adapter the pool tier asks to have ready
-(``rows_or_read``, ``stage``) is also staged on the device by the IO threads (see ``device_staging``), so its later
-pool load on the engine thread is only the scatter and table update.
+"""The host tier of the adapter store: registered adapters (and failed ones), a byte-budgeted LRU of them as pool
+rows (``AdapterRows`` in the pool dtype: moving one to the device is a plain copy), the IO threads that read them
+so the engine thread waits on disk only when it must, and their device staging: an adapter the pool tier asks to
+have ready (``rows_or_read``, ``stage``) is staged by the IO threads, so its pool load is only scatter and table.
 """
 
 from __future__ import annotations
@@ -37,14 +34,11 @@ log = logging.getLogger(__name__)
 class HostTier:
     """Registered adapters, their recorded failures, their host-memory rows and device staging.
 
-    Threading contract: every public method is thread-safe. All state is guarded by one lock, held only for
-    bookkeeping (never across a source read, a device copy or a wait), so the engine thread, the IO workers and
-    other threads (a server registering adapters) can call in at any time. Reads from sources and staging copies run
-    on ``io_threads`` workers, or on the calling thread where a method says so.
-
-    ``host_budget_bytes`` bounds the host rows (``max_host_adapters`` optionally bounds their count too);
-    ``max_rank`` is the largest rank ``register`` accepts; ``dtype`` the host rows' dtype; ``max_staged`` how many
-    adapters may hold staged pages on the device at once; ``read_processes``: see :func:`read_workers.adapter_reader`.
+    Threading: every public method is thread-safe; one lock guards all state, held only for bookkeeping (never
+    across a read, a device copy or a wait). Reads and staging copies run on ``io_threads`` workers, or on the
+    calling thread where a method says so. ``host_budget_bytes`` bounds the host rows (``max_host_adapters``
+    their count too); ``max_rank``: the largest rank ``register`` accepts; ``dtype``: the host rows'; ``max_staged``:
+    adapters holding staged pages at once; ``read_processes``: see :func:`read_workers.adapter_reader`.
     """
 
     def __init__(self, model_cfg: ModelConfig, pool: PagedPool, *, host_budget_bytes: int, max_rank: int, dtype,
@@ -166,8 +160,7 @@ class HostTier:
         with self._lock:
             return len(self._entries)
 
-    def errors(self) -> dict[str, str]:
-        """Name -> reason of every adapter that failed validation or loading."""
+    def errors(self) -> dict[str, str]:  # name -> reason of every adapter that failed validation or loading
         with self._lock:
             return {name: e.reason for name, e in self._errors.items()}
 
@@ -257,13 +250,15 @@ class HostTier:
             self._run_load(inline, inline=True)
         return future.result()
 
-    def read_ahead(self, names: Iterable[str]) -> None:
+    def read_ahead(self, names: Iterable[str]) -> list[Future]:
         """Start host reads only into free host room (budget and count, counting reads in flight), so they never
         evict cached rows (or staged pages) of adapters needed sooner; nothing else (no staging, no LRU moves).
-        ``names`` in queue order; the caller leaves out adapters it does not need read (e.g. resident ones)."""
+        ``names`` in queue order; the caller leaves out adapters it does not need read (e.g. resident ones).
+        Returns the futures of the reads it started."""
+        started: list[Future] = []
         with self._lock:
             if self._closed:
-                return
+                return started
             page_bytes = self.pool.page_bytes  # rows of an adapter of n pool pages take at most n * page_bytes
             in_flight = sum(load.entry.pages for load in self._loads.values()) * page_bytes
             room = self.host_budget_bytes - self._host_bytes - in_flight
@@ -276,10 +271,16 @@ class HostTier:
                 size = entry.pages * page_bytes
                 if size > room or (slots is not None and slots < 1):
                     break  # in queue order: what does not fit now is read when it gets nearer the head
-                self._start_read_locked(entry)
+                started.append(self._start_read_locked(entry))
                 self._counts["read_aheads"] += 1
                 room -= size
                 slots = None if slots is None else slots - 1
+        return started
+
+    def reads_in_flight(self) -> int | None:
+        """Reads started and not finished; None once the tier is closed (a background reader's cue to stop)."""
+        with self._lock:
+            return None if self._closed else len(self._loads)
 
     def rows_or_read(self, names: Iterable[str]) -> list[tuple[str, AdapterRows]]:
         """(name, rows) of those of ``names`` in host memory (each made most recently used); a read is started for

@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adapter-read-processes", type=int, default=None, metavar="N",
                    help="processes reading adapter files, so reads never wait on the engine thread (default 5 on a "
                    "GPU: the 4 IO threads' and the engine thread's; 0 on CPU: read on the IO threads)")
+    g.add_argument("--host-fill", action=argparse.BooleanOptionalAction, default=True,
+                   help="read every registered adapter into host memory in the background once the server starts "
+                   "(into free room of --adapter-host-gb, never evicting; one read at a time, behind the requests' "
+                   "own), so a request's first use of an adapter waits for no disk read; --no-host-fill reads each "
+                   "adapter at its first request")
     g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
     e = p.add_argument_group("engine")
     e.add_argument("--pool-gb", type=float, default=None,
@@ -354,6 +359,7 @@ def build_engine_parts(args: argparse.Namespace):
     """(engine, ``ServerConfig``, model dir): the model and adapters loaded and warmed up."""
     from ..engine import compile_counter, executable_store
     from ..engine.engine import Engine
+    from ..engine.host_fill import HostFill
     from ..model.config import ModelConfig
     from ..tools.tokenizer import load_tokenizer
 
@@ -410,6 +416,8 @@ def build_engine_parts(args: argparse.Namespace):
         log.info("warm-up: %d compiles (%d from the compilation cache) in %.1f s",
                  compile_counter.compile_count() - compiles, compile_counter.cache_hits() - hits,
                  time.monotonic() - t)
+    if args.host_fill:
+        HostFill(engine.store.host).start()  # stops when the store closes
     log.info("ready in %.1f s after start", time.monotonic() - started)
     config = ServerConfig(served_model_name=name, api_key=args.api_key,
                           allowed_adapter_dirs=tuple(adapter_dirs) + tuple(args.allowed_adapter_dir),

@@ -138,22 +138,26 @@ class EngineClient(EngineHandle):
 
     @staticmethod
     def _wait_ready(conn, process, timeout: float | None) -> dict:
+        """The "ready" message's facts. What comes before it (adapter events of the host fill's first reads, a
+        status) is dropped: no listener can have asked for it yet."""
         waited = 0.0
-        while not conn.poll(1.0):
-            waited += 1.0
-            if not process.is_alive():
-                raise RuntimeError(f"the engine process exited during start-up ({_exit_text(process)})")
-            if timeout is not None and waited >= timeout:
-                raise RuntimeError(f"the engine process was not ready within {timeout:.0f} s")
-        try:
-            batch = conn.recv()
-        except (EOFError, OSError):
-            process.join(5.0)
-            raise RuntimeError(f"the engine process exited during start-up ({_exit_text(process)})") from None
-        kind, payload = batch[0][0], batch[0][1]
-        if kind != "ready":
-            raise RuntimeError(f"the engine process could not start: {payload}")
-        return payload
+        while True:
+            while not conn.poll(1.0):
+                waited += 1.0
+                if not process.is_alive():
+                    raise RuntimeError(f"the engine process exited during start-up ({_exit_text(process)})")
+                if timeout is not None and waited >= timeout:
+                    raise RuntimeError(f"the engine process was not ready within {timeout:.0f} s")
+            try:
+                batch = conn.recv()
+            except (EOFError, OSError):
+                process.join(5.0)
+                raise RuntimeError(f"the engine process exited during start-up ({_exit_text(process)})") from None
+            for kind, payload, *_ in batch:
+                if kind == "ready":
+                    return payload
+                if kind == "failed":
+                    raise RuntimeError(f"the engine process could not start: {payload}")
 
     # ---------------------------------------------------------------- health
     def start(self) -> EngineClient:
