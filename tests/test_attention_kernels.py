@@ -28,6 +28,15 @@ from pallas_kernels.prefill_attention import (
 ON_GPU = jax.default_backend() == "gpu"
 JUNK = 1e4  # scale of whatever the pool holds outside the sequences' pages
 
+# The jnp references and the cache writes run as one jitted program each: called eagerly, every op compiles on its
+# own (a decode check made ~110 compiles, 5-6 s of its 10 s on the CPU; the GPU suite spent 20-50 s a check).
+jit_token_slots = jax.jit(token_slots, static_argnums=3)
+jit_write_kv = jax.jit(write_kv, static_argnums=5)
+decode_reference = jax.jit(paged_decode_attention_reference,
+                           static_argnames=("page_size", "num_kv_heads", "sm_scale", "num_splits"))
+prefill_reference = jax.jit(paged_prefill_attention_reference,
+                            static_argnames=("page_size", "num_kv_heads", "sm_scale", "block_q"))
+
 
 class ChurnedAllocator:
     """Free list that has seen random alloc/free traffic, so sequences get shuffled, non-contiguous pages."""
@@ -90,12 +99,12 @@ def build_cache(rng, lens, *, num_kv_heads, head_dim, page_size, num_layers=3, l
         pos = np.concatenate([np.arange(start, end) for start, end in spans] + [[0] * 3])
         order = rng.permutation(len(seq_ids))
         seq_ids, pos = seq_ids[order].astype(np.int32), pos[order].astype(np.int32)
-        slots = token_slots(jnp.asarray(table), jnp.asarray(seq_ids), jnp.asarray(pos), page_size)
+        slots = jit_token_slots(jnp.asarray(table), jnp.asarray(seq_ids), jnp.asarray(pos), page_size)
         k = np.stack([keys[s][p] if s >= 0 else np.zeros((num_kv_heads, head_dim), np.float32)
                       for s, p in zip(seq_ids, pos, strict=True)])
         v = np.stack([values[s][p] if s >= 0 else np.zeros((num_kv_heads, head_dim), np.float32)
                       for s, p in zip(seq_ids, pos, strict=True)])
-        pool = write_kv(pool, jnp.int32(layer), jnp.asarray(k, dtype), jnp.asarray(v, dtype), slots, page_size)
+        pool = jit_write_kv(pool, jnp.int32(layer), jnp.asarray(k, dtype), jnp.asarray(v, dtype), slots, page_size)
     return Cache(pool, table, lens, keys, values, layer, page_size, num_kv_heads)
 
 
@@ -168,7 +177,7 @@ def test_paged_decode_matches_reference_and_dense(num_kv_heads, num_heads, head_
     args = (jnp.asarray(q), cache.pool, jnp.int32(cache.layer), jnp.asarray(cache.page_table), jnp.asarray(lens))
     kw = dict(page_size=page_size, num_kv_heads=num_kv_heads, sm_scale=sm_scale, num_splits=num_splits)
     out = paged_decode_attention(*args, **kw)
-    ref = paged_decode_attention_reference(*args, **kw)
+    ref = decode_reference(*args, **kw)
     assert_close(out, ref, 2e-5)
     for b, n in enumerate(lens):
         if n == 0:
@@ -187,7 +196,7 @@ def test_paged_decode_bf16_pool():
     kw = dict(page_size=16, num_kv_heads=1, sm_scale=0.125, num_splits=2)
     out = paged_decode_attention(*args, **kw)
     assert out.dtype == jnp.bfloat16
-    assert_close(out, paged_decode_attention_reference(*args, **kw), 2e-2)
+    assert_close(out, decode_reference(*args, **kw), 2e-2)
 
 
 # ----------------------------------------------------------------------------------------------------- prefill
@@ -245,7 +254,7 @@ def test_paged_prefill_matches_reference_and_dense(num_kv_heads, num_heads, head
     kw = dict(page_size=page_size, num_kv_heads=num_kv_heads, sm_scale=sm_scale, block_q=block_q)
     tiles = jnp.asarray(prefill_tile_map(q_starts, lens, num_rows, block_q)) if host_tiles else None
     out = paged_prefill_attention(*args, **kw, block_k=block_k, tile_map=tiles)
-    assert_close(out, paged_prefill_attention_reference(*args, **kw), 2e-5)
+    assert_close(out, prefill_reference(*args, **kw), 2e-5)
     np.testing.assert_array_equal(np.asarray(out[q_starts[-1]:]), 0.0)
     for b in range(batch):
         positions = prior[b] + np.arange(n_new[b])
@@ -276,7 +285,7 @@ def test_gpu_paged_decode(num_kv_heads, num_heads, num_splits):
     args = (q, cache.pool, jnp.int32(cache.layer), jnp.asarray(cache.page_table), jnp.asarray(lens))
     kw = dict(page_size=16, num_kv_heads=num_kv_heads, sm_scale=128**-0.5, num_splits=num_splits)
     out = paged_decode_attention(*args, **kw, interpret=False)
-    assert_close(out, paged_decode_attention_reference(*args, **kw), 2e-2)
+    assert_close(out, decode_reference(*args, **kw), 2e-2)
 
 
 @pytest.mark.gpu
@@ -297,5 +306,5 @@ def test_gpu_paged_prefill(num_kv_heads, num_heads, head_dim, block_q, block_k):
             jnp.asarray(lens))
     kw = dict(page_size=16, num_kv_heads=num_kv_heads, sm_scale=head_dim**-0.5, block_q=block_q)
     out = paged_prefill_attention(*args, **kw, block_k=block_k, interpret=False)
-    assert_close(out, paged_prefill_attention_reference(*args, **kw), 2e-2)
+    assert_close(out, prefill_reference(*args, **kw), 2e-2)
     np.testing.assert_array_equal(np.asarray(out[q_starts[-1]:], np.float32), 0.0)

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_attention_kernels import assert_close, build_cache
+from test_attention_kernels import assert_close, build_cache, prefill_reference
 
 from pallas_kernels import backends
-from pallas_kernels.prefill_attention import paged_prefill_attention_reference, prefill_tile_map
+from pallas_kernels.prefill_attention import prefill_tile_map
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu", reason="jax without the Mosaic GPU lowering")
 mgpu_kernel = pytest.importorskip("pallas_kernels.prefill_attention_mgpu")
@@ -59,7 +59,7 @@ def ragged_case(rng, *, num_kv_heads, num_heads, head_dim, page_size, n_new, pri
 
 
 def check(out, args, kw, q_starts, tol):
-    want = paged_prefill_attention_reference(*args, **kw)
+    want = prefill_reference(*args, **kw)
     assert_close(out, want, tol)
     np.testing.assert_array_equal(np.asarray(out[int(q_starts[-1]):], np.float32), 0.0)  # padding rows: zeros
 
