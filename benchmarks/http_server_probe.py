@@ -43,6 +43,9 @@ def server_counters(url: str, api_key: str | None) -> dict[str, float]:
         m = re.match(r'^(\w+)(?:\{phase="(\w+)"\})?\s+(\S+)$', line)
         if m and (m.group(1) in SERVER_COUNTERS or m.group(1) == "slora_engine_host_seconds"):
             out[m.group(1) + (f".{m.group(2)}" if m.group(2) else "")] = float(m.group(3))
+        m = re.match(r'^slora_adapters\{tier="host"\}\s+(\S+)$', line)
+        if m:  # a gauge, not a running total: server_share reports it at the trace's start and end
+            out["adapters_in_host"] = float(m.group(1))
         m = re.match(r'^slora_adapter_load_seconds_(sum|count)\{.*stage="(\w+)".*\}\s+(\S+)$', line)
         if m:  # summed over the adapters: loads that a first token may have waited for
             key = f"adapter_load_{m.group(1)}.{m.group(2)}"
@@ -56,11 +59,12 @@ def server_share(before: dict, after: dict, elapsed_s: float) -> dict:
     phase (compare the in-process run's prefill/decode_host_s: dispatch is Python, it stretches first)."""
     if not before or not after:
         return {}
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if k != "adapters_in_host"}
     steps = d.get("slora_engine_steps", 0.0)
     n = d.get("slora_time_to_first_token_seconds_count", 0.0)
     stages = [k.split(".", 1)[1] for k, v in d.items() if k.startswith("adapter_load_count.") and v]
-    return {"ttft_ms_mean": 1e3 * d["slora_time_to_first_token_seconds_sum"] / n if n else None,
+    return {"adapters_in_host": [before.get("adapters_in_host"), after.get("adapters_in_host")],  # host fill
+            "ttft_ms_mean": 1e3 * d["slora_time_to_first_token_seconds_sum"] / n if n else None,
             "steps": steps, "step_ms_mean": 1e3 * elapsed_s / steps if steps else None,
             "tokens_per_step": d.get("slora_generation_tokens_total", 0.0) / steps if steps else None,
             "host_ms_per_step": {k.split(".", 1)[1]: round(1e3 * v / steps, 3) for k, v in d.items()
