@@ -173,3 +173,12 @@ def test_engine_process_start_up_passes_over_the_fills_events():
     theirs.send([("failed", "ValueError: bad flag")])
     with pytest.raises(RuntimeError, match="could not start: ValueError: bad flag"):
         EngineClient._wait_ready(mine, Alive(), 10)
+
+
+def test_ray_replicas_do_not_fill_unless_asked():
+    """Replicas share one host: each filling host memory with every adapter would multiply it by the replicas."""
+    from slora_jax.serve.cli import host_fill
+
+    parse = build_parser().parse_args
+    assert host_fill(parse([])) and not host_fill(parse(["--no-host-fill"]))
+    assert not host_fill(parse(["--ray"])) and host_fill(parse(["--ray", "--host-fill"]))

@@ -47,10 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adapter-read-processes", type=int, default=None, metavar="N",
                    help="processes reading adapter files, so reads never wait on the engine thread (default 5 on a "
                    "GPU: the 4 IO threads' and the engine thread's; 0 on CPU: read on the IO threads)")
-    g.add_argument("--host-fill", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--host-fill", action=argparse.BooleanOptionalAction, default=None,
                    help="read every registered adapter into host memory in the background once the server starts "
-                   "(into free room of --adapter-host-gb, never evicting; one read at a time, behind the requests' "
-                   "own), so a request's first use of an adapter waits for no disk read; --no-host-fill reads each "
+                   "(into free room of --adapter-host-gb, never evicting; behind the requests' own reads), so a "
+                   "request's first use of an adapter waits for no disk read (default: on, off with --ray, whose "
+                   "replicas share the host and each serve their share of the adapters); --no-host-fill reads each "
                    "adapter at its first request")
     g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
     e = p.add_argument_group("engine")
@@ -416,7 +417,7 @@ def build_engine_parts(args: argparse.Namespace):
         log.info("warm-up: %d compiles (%d from the compilation cache) in %.1f s",
                  compile_counter.compile_count() - compiles, compile_counter.cache_hits() - hits,
                  time.monotonic() - t)
-    if args.host_fill:
+    if host_fill(args):
         HostFill(engine.store.host).start()  # stops when the store closes
     log.info("ready in %.1f s after start", time.monotonic() - started)
     config = ServerConfig(served_model_name=name, api_key=args.api_key,
@@ -426,6 +427,12 @@ def build_engine_parts(args: argparse.Namespace):
                           shutdown_grace_s=args.shutdown_grace_s, tenant_header=args.tenant_header,
                           defer_hand_over=args.defer_hand_over, engine_process=bool(args.engine_process))
     return engine, config, model_dir
+
+
+def host_fill(args: argparse.Namespace) -> bool:
+    """--host-fill, else on unless the engine is a Ray replica: replicas on one host would each fill host memory
+    with every adapter (8 replicas x 33 GB for 2000 S1 adapters of a 7B), while affinity routing gives each a share."""
+    return not getattr(args, "ray", False) if args.host_fill is None else bool(args.host_fill)
 
 
 GPU_MEMORY_FRACTION = "0.95"  # of the card JAX may use when XLA_PYTHON_CLIENT_MEM_FRACTION is not set
