@@ -13,7 +13,15 @@
 # (~/.cache/slora_jax) for the later ones. Budgets come from the time left in the call (CALL_LIMIT_S, 575 s).
 # Run tool: timeout_s 600, carry [".whl"]. $OUT per mode: <date>_http_serving_h200_engine_{process,thread}.json,
 # http_<mode>.log (the script's output), server_<mode>.log; in_process.log once. HTTP_ARGS: more flags (ours or the
-# server's, e.g. "--aiperf" needs aiperf's wheels, not carried).
+# server's).
+#   AIPERF=1 bash benchmarks/h200/call_http.sh ep   # + NVIDIA aiperf at saturation on the same server, after our
+#       traces (issue 13: a third-party client within 10% of ours; one mode per call). Needs `wheels.sh --aiperf`
+#       here (.whl/aiperf; installed there into a site of its own by setup.sh's setup_aiperf, ~10 s); prints aiperf
+#       / ours and writes $OUT/aiperf_<mode>.log. ~+75 s: ~480 s of the 575 on a fresh machine with the in-process
+#       run. aiperf starts only while the in-process reserve (130 s; 60 s without an in-process run) is left; the
+#       in-process run then starts only with >= 100 s left, else it is skipped (JSON: "budget"): aiperf goes first.
+#       aiperf not installable or not importing there: said, and the call goes on without it.
+#       AIPERF_PYTHON=PATH: a Python that has aiperf (no install; e.g. a venv on a dev box).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 # shellcheck source=benchmarks/h200/setup.sh
@@ -28,6 +36,15 @@ mkdir -p "$WORK/reports"
 [ $# -gt 0 ] || set -- ep
 read -r -a extra <<<"${HTTP_ARGS:-}"
 if [ -n "${H200_DRY:-}" ]; then extra+=(--tiny); fi
+if [ -n "${AIPERF:-}" ]; then
+    if [ -n "${AIPERF_PYTHON:-}" ]; then
+        AIPERF_PY=$AIPERF_PYTHON
+    elif ! setup_aiperf; then
+        AIPERF_PY=""
+        echo "== aiperf: not usable here; the call goes on without it"
+    fi
+    [ -n "$AIPERF_PY" ] && extra+=(--aiperf --aiperf-python "$AIPERF_PY")
+fi
 
 for mode in "$@"; do
     case "$mode" in
@@ -48,14 +65,36 @@ print(''.join('y' for p in glob.glob(sys.argv[1] + '/reports/*.json') if json.lo
     if [ "$budget" -lt 120 ]; then echo "== $mode: skipped, only $L s left in this call"; continue; fi
     report=$OUT/${DATE}_http_serving_h200_$name.json
     rm -f "$WORK/in_process.log" "$WORK/server.log"
-    echo "== $mode: budget $budget s, reserve $reserve s, in-process '${inproc}', $(nvidia-smi \
---query-gpu=memory.used --format=csv,noheader 2>/dev/null || echo '?') in use"
+    echo "== $mode: budget $budget s, reserve $reserve s, in-process '${inproc}', aiperf \
+'$([ -n "${AIPERF_PY:-}" ] && echo sat)', $(nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null || echo '?') in use"
     timeout -k 15 $((L - 15)) python3 benchmarks/http_serving.py --preset "$PRESET" --n-adapters "${N_ADAPTERS:-2000}" \
         --distinct-adapters 20 --work-dir "$WORK" --rates "${RATES:-sat,x0.7}" --in-process-rates "$inproc" \
-        --budget-s "$budget" --reserve-s "$reserve" --out "$report" "${flag[@]}" "${extra[@]}" \
+        --budget-s "$budget" --reserve-s "$reserve" --in-process-min-s 100 --out "$report" "${flag[@]}" "${extra[@]}" \
         >"$OUT/http_$mode.log" 2>&1
     rc=$?
-    grep -E "^(device|server|http|openai|in-process|skip)|Error|error:" "$OUT/http_$mode.log" | cut -c1-220 | tail -n 12
+    grep -E "^(device|server|http|openai|in-process|skip|aiperf)|Error|error:" "$OUT/http_$mode.log" | cut -c1-220 | tail -n 12
+    if [ -n "${AIPERF_PY:-}" ] && [ -f "$report" ]; then  # issue 13: a client nobody here wrote, within 10% of ours
+        python3 -c 'import json, sys
+d = json.load(open(sys.argv[1]))
+ours = next((r for r in d.get("http", []) if r.get("as") == "sat"), None)
+ai = next((r for r in d.get("aiperf") or [] if r.get("as") == "sat"), None)
+ip = next((r for r in d.get("in_process", {}).get("results", []) if r.get("rate") == 1000.0), None)
+def f(r, k="throughput_req_s"):
+    return f"{r[k]:.2f}" + (" (cut by the budget)" if r.get("cut_by_budget") else "") if r and r.get(k) is not None else "-"
+tok = "throughput_tok_s"
+ratio = ai["throughput_req_s"] / ours["throughput_req_s"] if ours and ai and ai.get("throughput_req_s") else None
+line = (f"== {sys.argv[2]}: aiperf sat {f(ai)} req/s ({f(ai, tok)} tok/s), ours {f(ours)} ({f(ours, tok)}), "
+        f"in-process {f(ip)}; aiperf / ours ")
+if ratio:
+    line += f"{ratio:.3f} (issue 13, within 10%: " + ("yes)" if abs(ratio - 1) <= 0.1 else "NO)")
+elif ai:
+    line += "-; aiperf: " + str(ai.get("error")) + " " + repr((ai.get("log_tail") or "")[-300:])
+else:
+    line += "-; aiperf did not run (budget?)"
+print(line)' "$report" "$mode"
+        # aiperf's own log, when one mode runs (two modes already write 7 files)
+        [ $# -eq 1 ] && [ -f "$WORK/aiperf-sat/aiperf_stdout.log" ] && cp "$WORK/aiperf-sat/aiperf_stdout.log" "$OUT/aiperf_$mode.log"
+    fi
     echo "== $mode: exit $rc$([ $rc -eq 124 ] && echo ' (cut by the limit)')"
     cp "$WORK/server.log" "$OUT/server_$mode.log" 2>/dev/null
     [ -f "$WORK/in_process.log" ] && cp "$WORK/in_process.log" "$OUT/in_process.log"

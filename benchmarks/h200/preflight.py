@@ -3,6 +3,8 @@ found 5 minutes into a device call costs the call; this answers in 2 seconds at 
 
     python3 benchmarks/h200/preflight.py --wheels .whl        # here: every requirement of .whl/ is carried or imaged
     python3 benchmarks/h200/preflight.py --site /tmp/site     # there, after the install: check, top up, import
+    python3 benchmarks/h200/preflight.py --aiperf-wheels .whl/aiperf     # here: aiperf's carried set, statically
+    /tmp/aiperf_site_python benchmarks/h200/preflight.py --aiperf /tmp/aiperf_site   # there, under aiperf's Python
 
 Requirements: pyproject's dependencies and test extra (less the packages the image brings or the suite skips:
 torch, ruff, lm_eval, ray), pytest-xdist for the suite, and the Requires-Dist of every carried wheel. On the device a
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata as md
+import importlib.util
 import re
 import subprocess
 import sys
@@ -48,6 +51,20 @@ seaborn sentencepiece sentence-transformers setuptools shellingham simplejson si
 tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch
 torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer
 typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp""".split())
+# aiperf 0.13's requirements that `aiperf profile` never imported in a traced run (every process, 2026-12-02; the
+# k8s operator, dashboards, plots, sweeps, public datasets, audio, GPU telemetry): neither carried nor checked.
+AIPERF_UNUSED = {"aiosqlite", "dash", "dash-bootstrap-components", "datasets", "jmespath", "kaleido", "kopf",
+                 "kubernetes-asyncio", "nvidia-ml-py", "optuna", "plotly", "python-multipart", "soundfile",
+                 "starlette-compress", "textual", "zstandard", "prometheus-client", "pandas", "matplotlib",
+                 "seaborn", "tiktoken", "protobuf"}
+# Modules `aiperf profile` imported there, one per carried or pinned package it uses (the CLI, the controller and
+# its ZMQ, the dataset manager with PIL/ffmpeg, crick's t-digest, the aiohttp transport, pydantic-settings, ...):
+# a failed import here costs 2 s instead of the aiperf run.
+AIPERF_IMPORTS = ["aiperf.cli", "aiperf.cli_commands.profile", "aiperf.common.environment", "aiperf.common.logging",
+                  "aiperf.controller.system_controller", "aiperf.dataset.dataset_manager",
+                  "aiperf.dataset.generator.video", "aiperf.metrics.list_metric_aggregation",
+                  "aiperf.transports.aiohttp_transport", "aiperf.common.mixins.process_health_mixin",
+                  "aiperf.plugin.plugins", "setproctitle", "transformers", "tokenizers"]
 TARGET_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
               "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
               "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
@@ -95,6 +112,77 @@ def check_wheels(whl: Path) -> int:
     print(f"preflight: {len(carried)} carried wheels, {len(floor)} floor wheels, {len(reqs)} requirements: "
           + ("all met or imaged" if not bad else f"{bad} NOT MET"))
     return 1 if bad else 0
+
+
+def check_aiperf_wheels(whl: Path) -> int:
+    """Here: every requirement of aiperf and of its carried wheels is carried (there or in .whl/, whose site is on
+    aiperf's path after its own), named by the image, or one ``aiperf profile`` does not import."""
+    own = {n: (v, r) for n, v, r in map(wheel_info, sorted(whl.glob("*.whl")))}
+    server = {n: v for n, v, _ in map(wheel_info, sorted(whl.parent.glob("*.whl")))}
+    if "aiperf" not in own:
+        print(f"preflight: no aiperf wheel in {whl}")
+        return 1
+    bad = unused = 0
+    reqs = [(r, n) for n, (_, rs) in own.items() for r in rs if applies(r, TARGET_ENV)]
+    for req, who in reqs:
+        name = canonicalize_name(req.name)
+        have = own.get(name, (server.get(name),))[0]
+        if have is not None:
+            ok, how = req.specifier.contains(have, prereleases=True), f"carried {have}"
+        elif name in IMAGE:
+            ok, how = True, "image"
+        elif name in AIPERF_UNUSED:
+            unused += 1
+            continue
+        else:
+            ok, how = False, "NOWHERE"
+        if not ok:
+            bad += 1
+            print(f"preflight: aiperf: {req} (for {who}): {how}")
+    print(f"preflight: aiperf {own['aiperf'][0]}: {len(own)} wheels, {len(reqs)} requirements, {unused} not imported "
+          "by `aiperf profile` (not carried): " + ("the rest met or imaged" if not bad else f"{bad} NOT MET"))
+    return 1 if bad else 0
+
+
+def check_aiperf(site: Path) -> int:
+    """There, run by aiperf's Python (its site first on the path, then the server's, then the image): aiperf's
+    requirements as its process sees them (a version outside a pin is a warning: aiperf runs with --no-deps) and
+    the imports. uvloop without ``run()`` (older than 0.18) is not a failure: the caller turns uvloop off."""
+    where = {canonicalize_name(d.metadata["Name"]) for d in md.distributions(path=[str(site)])}
+    rows, off, missing = [], [], []
+    for r in md.requires("aiperf") or []:
+        req = Requirement(r)
+        name = canonicalize_name(req.name)
+        if not applies(req, None):
+            continue
+        try:
+            have = md.version(req.name)
+        except md.PackageNotFoundError:
+            if name not in AIPERF_UNUSED:
+                missing.append(str(req))
+            continue
+        rows.append((name in where, f"{name} {have}"))
+        if not req.specifier.contains(Version(have), prereleases=True):
+            off.append(f"{req} (has {have})")
+    failed = []
+    for mod in AIPERF_IMPORTS:
+        try:
+            importlib.import_module(mod)
+        except Exception as e:  # noqa: BLE001 - any failure to import is the finding
+            failed.append(f"{mod}: {type(e).__name__}: {e}"[:200])
+    print(f"preflight: aiperf {md.version('aiperf')}: {sum(own for own, _ in rows)} of its requirements from its "
+          "site; from the server's site or the image: " + ", ".join(r for own, r in rows if not own))
+    if off:
+        print("preflight: aiperf: outside its pins (runs anyway unless an import fails): " + "; ".join(off))
+    for line in missing:
+        print(f"preflight: aiperf: MISSING {line}")
+    uvloop = importlib.import_module("uvloop") if importlib.util.find_spec("uvloop") else None
+    if uvloop is None or not hasattr(uvloop, "run"):
+        print("preflight: aiperf: uvloop missing or without run(): AIPERF_SERVICE_DISABLE_UVLOOP=1")
+    for line in failed:
+        print(f"preflight: aiperf: IMPORT FAILED {line}")
+    print("preflight: aiperf " + ("FAILED" if failed else "ok"), flush=True)
+    return 1 if failed else 0
 
 
 def site_requirements(site: Path) -> list[tuple[Requirement, str]]:
@@ -159,9 +247,15 @@ def main() -> int:
     ap.add_argument("--site", type=Path, help="there: the --target dir the wheels were installed into")
     ap.add_argument("--floor", type=Path, default=ROOT / ".whl" / "floor")
     ap.add_argument("--no-install", action="store_true", help="report only, install no floor wheel")
+    ap.add_argument("--aiperf-wheels", type=Path, help="here: check aiperf's carried wheels (.whl/aiperf) statically")
+    ap.add_argument("--aiperf", type=Path, metavar="SITE", help="there, run by aiperf's Python: its site's check")
     args = ap.parse_args()
     if args.wheels:
         return check_wheels(args.wheels)
+    if args.aiperf_wheels:
+        return check_aiperf_wheels(args.aiperf_wheels)
+    if args.aiperf:
+        return check_aiperf(args.aiperf)
     if args.site is None:
         ap.error("--wheels or --site")
     return check_site(args.site, args.floor, install=not args.no_install)

@@ -40,3 +40,33 @@ from pathlib import Path
 from http_serving import prepare_preset
 print(prepare_preset('$PRESET', Path('$WORK'), ${N_ADAPTERS:-2000}, 20, 8))"
 }
+
+# AIPERF=1 (call_http.sh): NVIDIA aiperf's wheels (.whl/aiperf, `wheels.sh --aiperf`) into a site of its own and a
+# wrapper that runs python3 with that site first, then the server's (pydantic, fastapi), then the image. Only the
+# aiperf process sees it, so aiperf's pins (rich, aiohttp, psutil, ...) never reach the server. Sets AIPERF_PY (the
+# wrapper, for http_serving.py's --aiperf-python); returns 1, with the reason printed, when aiperf is not usable.
+#   AIPERF_WHEELS (.whl/aiperf), AIPERF_SITE (/tmp/aiperf_site), AIPERF_BASE_PYTHON (python3: the image's)
+setup_aiperf() {
+    local wheels=${AIPERF_WHEELS:-.whl/aiperf} site=${AIPERF_SITE:-/tmp/aiperf_site} base check rc
+    AIPERF_PY=${site}_python
+    base=$(command -v "${AIPERF_BASE_PYTHON:-python3}") || { echo "setup: aiperf: no ${AIPERF_BASE_PYTHON:-python3}"; return 1; }
+    if ! ls "$wheels"/aiperf-*.whl >/dev/null 2>&1; then
+        echo "setup: aiperf: no $wheels/aiperf-*.whl (run benchmarks/h200/wheels.sh --aiperf here and carry .whl)"
+        return 1
+    fi
+    rm -rf "$site"
+    if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl \
+        >"$site.pip.log" 2>&1; then
+        echo "setup: aiperf: install failed: $(grep -v "Running pip as the 'root' user" "$site.pip.log" | tail -n 3)"
+        return 1
+    fi
+    printf '#!/bin/sh\n# aiperf only (setup.sh): its site, then the server'"'"'s, then the image\nexport PYTHONPATH=%s\nexec %s "$@"\n' \
+        "$site${PYTHONPATH:+:$PYTHONPATH}" "$base" >"$AIPERF_PY"
+    chmod +x "$AIPERF_PY"
+    check=$(timeout 90 "$AIPERF_PY" benchmarks/h200/preflight.py --aiperf "$site" 2>&1); rc=$?
+    echo "$check" | cut -c1-800
+    if echo "$check" | grep -q "AIPERF_SERVICE_DISABLE_UVLOOP=1"; then
+        sed -i '3i export AIPERF_SERVICE_DISABLE_UVLOOP=1' "$AIPERF_PY"
+    fi
+    [ "$rc" -eq 0 ]
+}

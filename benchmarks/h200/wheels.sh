@@ -7,6 +7,8 @@
 # .whl/COMMIT, which the call scripts put into the results (the H200 copy of the tree has no .git).
 #   bash benchmarks/h200/wheels.sh           # fetch (what is there already is kept), check, stamp
 #   bash benchmarks/h200/wheels.sh --stamp   # only .whl/COMMIT (before each call, after a commit)
+#   bash benchmarks/h200/wheels.sh --aiperf  # also .whl/aiperf/ (25 wheels, ~15 MB): NVIDIA aiperf for
+#                                            # `AIPERF=1 call_http.sh` (issue 13's third-party client)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 exclude="$(git rev-parse --git-path info/exclude)"
@@ -21,6 +23,7 @@ stamp() {  # the commit the tree that travels is at; "+dirty" when tracked files
     echo "wheels.sh: .whl/COMMIT = $c"
 }
 if [ "${1:-}" = "--stamp" ]; then stamp; exit 0; fi
+want_aiperf=""; [ "${1:-}" = "--aiperf" ] && want_aiperf=1
 
 # Not in the image (KINDS.md's package list, 2026-11-17): always installed there.
 MISSING=(
@@ -40,7 +43,25 @@ FLOOR=(
     jinja2==3.1.6 pytest==9.0.3 pluggy==1.6.0 iniconfig==2.3.0 pytest-xdist==3.8.0 execnet==2.1.2
 )
 # Left out on purpose: ray[serve] and lm_eval (hundreds of MB; tests/test_ray_serve.py and tests/test_lm_eval.py
-# importorskip them), ruff (CI's linter), aiperf (http_serving.py --aiperf only; not in this runbook's plan).
+# importorskip them), ruff (CI's linter).
+# aiperf (--aiperf: opt-in, ~15 MB, only `AIPERF=1 call_http.sh` uses it; once fetched, .whl/aiperf travels with
+# every carry of .whl, well under the limit). Installed there into a site of its own (setup.sh's setup_aiperf), seen
+# only by the aiperf process, so its pins never reach the server's imports. Not its whole closure (dash, plotly,
+# kaleido, optuna, datasets, kopf, kubernetes-asyncio, textual, zstandard, ... would be ~100 MB): what `aiperf
+# profile` imported in a traced run (2026-12-02, every module of every process, this box), less what the image has
+# (numpy, transformers, tokenizers, pillow, uvloop, pyarrow, scipy, jinja2, ...) or our .whl carries (pydantic,
+# fastapi, uvicorn: the server's site is on aiperf's path after its own).
+AIPERF=(
+    aiperf==0.13.0
+    # not in the image
+    crick==0.0.8 cyclopts==4.25.3 docstring-parser==0.18.0 rich-rst==2.2.0 ffmpeg-python==0.2.0 future==1.0.0
+    msgspec==0.23.0 orjson==3.11.9 pydantic-settings==2.16.3 python-dotenv==1.2.4 pyzmq==26.4.0
+    ruamel-yaml==0.18.17 ruamel-yaml-clib==0.2.15 setproctitle==1.3.8
+    # in the image at versions we cannot see, pinned by aiperf (aiofiles~=24.1, rich~=14.1, psutil~=7.0,
+    # aiohttp>=3.14.3, which needs yarl>=1.25.1): carried so aiperf gets its own
+    aiofiles==24.1.0 rich==14.1.0 psutil==7.0.0 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0
+    frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 yarl==1.25.1
+)
 
 fetch() {  # dir, specs...
     local dir="$1"; shift
@@ -52,11 +73,12 @@ fetch() {  # dir, specs...
 }
 fetch .whl "${MISSING[@]}"
 fetch .whl/floor "${FLOOR[@]}"
+if [ -n "$want_aiperf" ]; then mkdir -p .whl/aiperf; fetch .whl/aiperf "${AIPERF[@]}"; fi
 
 # One version of each: an older download left beside a newer one would stop the install there.
 python3 - <<'EOF'
 import collections, pathlib, re, sys
-for d in (pathlib.Path(".whl"), pathlib.Path(".whl/floor")):
+for d in (pathlib.Path(".whl"), pathlib.Path(".whl/floor"), pathlib.Path(".whl/aiperf")):
     seen = collections.defaultdict(list)
     for w in d.glob("*.whl"):
         seen[re.sub(r"[-_.]+", "-", w.name.split("-")[0]).lower()].append(w.name)
@@ -65,7 +87,13 @@ for d in (pathlib.Path(".whl"), pathlib.Path(".whl/floor")):
         sys.exit(f"wheels.sh: two versions in {d}: {dup} (remove the stale ones)")
 EOF
 python3 benchmarks/h200/preflight.py --wheels .whl
+if [ -d .whl/aiperf ]; then python3 benchmarks/h200/preflight.py --aiperf-wheels .whl/aiperf; fi
 stamp
-echo "wheels.sh: $(find .whl -maxdepth 1 -type f -name "*.whl" | wc -l) wheels in .whl ($(du -sh --exclude=floor .whl | cut -f1)), \
-$(find .whl/floor -type f -name "*.whl" | wc -l) in .whl/floor ($(du -sh .whl/floor | cut -f1)); all: $(du -sh .whl | cut -f1) \
+aiperf_note=""
+if [ -d .whl/aiperf ]; then
+    aiperf_note="$(find .whl/aiperf -type f -name "*.whl" | wc -l) in .whl/aiperf ($(du -sh .whl/aiperf | cut -f1)); "
+fi
+echo "wheels.sh: $(find .whl -maxdepth 1 -type f -name "*.whl" | wc -l) wheels in .whl \
+($(du -sh --exclude=floor --exclude=aiperf .whl | cut -f1)), \
+$(find .whl/floor -type f -name "*.whl" | wc -l) in .whl/floor ($(du -sh .whl/floor | cut -f1)); ${aiperf_note}all: $(du -sh .whl | cut -f1) \
 (carry limit 64 MiB with the tree: $(git ls-files -z | du -ch --files0-from=- | tail -1 | cut -f1) tracked)"
