@@ -14,7 +14,6 @@ import os
 import struct
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -22,13 +21,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from store_helpers import logged_rng
 
 from slora_jax.model import params_checkpoint
 from slora_jax.model.config import ModelConfig
 from slora_jax.model.loader import load_params
 from slora_jax.model.sharding import TensorParallel
-from slora_jax.model.streaming_loader import read_header, stream_params, transpose_concat
+from slora_jax.model.streaming_loader import index_checkpoint, layer_tensor_names, read_header, stream_params
 from slora_jax.tools import synth
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,19 +71,32 @@ def test_bfloat16_checkpoint_streams_its_own_values(tmp_path):
     assert _same(jax.tree.map(lambda x: x.astype(jnp.bfloat16), widened), from_f32)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
-def test_threaded_transpose_equals_numpys(dtype):
-    """Fused parts of odd heights (not multiples of a strip), and column slices (a row-parallel device block)."""
-    rng = logged_rng("transpose_concat")
-    parts = [rng.standard_normal((int(rng.integers(1, 70)), 37), np.float32).astype(dtype) for _ in range(3)]
-    wide = rng.standard_normal((29, 90), np.float32).astype(dtype)
-    with ThreadPoolExecutor(3) as threads:
-        for workers in (1, 3):
-            fused = transpose_concat(parts, threads, workers)
-            assert fused.flags.c_contiguous and fused.dtype == dtype
-            assert np.array_equal(fused, np.concatenate([p.T for p in parts], axis=1))
-            block = transpose_concat([wide[:, 45:]], threads, workers)
-            assert block.flags.c_contiguous and np.array_equal(block, wide[:, 45:].T)
+def test_read_ahead_names_every_layer_tensor_in_the_order_the_layer_reads_them(tiny_dir):
+    """The loader reads layer i+1 on a thread while it places layer i: the names it prefetches must be the ones
+    the layer then asks for (a wrong name would read twice; a missing one, inline)."""
+    from slora_jax.model.streaming_loader import _layer_params
+
+    cfg = ModelConfig.from_model_dir(tiny_dir)
+    entries = index_checkpoint(tiny_dir)
+    asked = []
+
+    class Placer:
+        n = 1
+
+        def place(self, name, shape, local):
+            return local(0)
+
+        def place_kernel(self, name, shape, parts_of):
+            return parts_of(0)
+
+    def read(name):
+        asked.append(name)
+        return np.zeros(entries[name].shape, np.float32)
+
+    for i in range(cfg.num_hidden_layers):
+        asked.clear()
+        _layer_params(cfg, i, read, Placer())
+        assert asked == layer_tensor_names(i) and set(asked) <= set(entries)
 
 
 def test_reader_refuses_broken_files(tmp_path, tiny_dir):

@@ -2,11 +2,12 @@
 
 The host never holds more than the tensors of one param (q, k, v for the fused ``qkv_proj``; gate, up) in the
 checkpoint's dtype plus one device's slice in the serving dtype: tensors are read with plain file reads at their
-header offsets (no memory map, so the process's resident memory does not grow with the file), sliced per device
-(:mod:`slora_jax.model.sharding`: fused kernels in device-major column order), transposed in cache-sized strips on a
-few threads (a plain numpy transpose held the loader to ~260 MB/s), cast, copied to their device and
-assembled with ``jax.make_array_from_single_device_arrays``. Stacked layers (``lax.scan``) are filled one layer at a
-time in place on the devices. A 70B checkpoint (138 GB) loads with ~1.5 GB of host memory at any moment.
+header offsets (no memory map, so the process's resident memory does not grow with the file), the next layer's on a
+reading thread while this one is placed, sliced per device (:mod:`slora_jax.model.sharding`: fused kernels in
+device-major column order), cast, copied to their device as HF lays them out ([d_out, d_in]) and transposed there
+(a host transpose ran at ~1 GB/s a thread and held a 7B load to ~0.8 GB/s on the H200), and assembled with
+``jax.make_array_from_single_device_arrays``. Stacked layers (``lax.scan``) are filled one layer at a time in place
+on the devices. A 70B checkpoint (138 GB) loads with ~3.5 GB of host memory at any moment (two layers' tensors).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import struct
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -34,12 +34,6 @@ from .sharding import TensorParallel, fused_widths, param_spec, param_specs
 
 SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 MAX_HEADER_BYTES = 100 << 20
-MAX_TRANSPOSE_THREADS = 4  # host transposes are bound by memory bandwidth: more threads gain little
-
-
-def transpose_threads() -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_TRANSPOSE_THREADS, cores))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +91,8 @@ def read_tensor(entry: TensorEntry) -> np.ndarray:
 class _Placer:
     """Builds device arrays from host parts, one device's slice at a time."""
 
-    def __init__(self, cfg: ModelConfig, dtype, tp: TensorParallel | None, threads: ThreadPoolExecutor, workers: int):
-        self.cfg, self.dtype, self.tp, self.threads, self.workers = cfg, np.dtype(dtype), tp, threads, workers
+    def __init__(self, cfg: ModelConfig, dtype, tp: TensorParallel | None):
+        self.cfg, self.dtype, self.tp = cfg, np.dtype(dtype), tp
         self.n = tp.size if tp is not None else 1
         self.devices = tp.devices if tp is not None else [jax.devices()[0]]
 
@@ -110,45 +104,70 @@ class _Placer:
     def cast(self, x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x, dtype=self.dtype)  # a copy only when the dtype or the layout differs
 
-    def transposed(self, parts: list[np.ndarray]) -> np.ndarray:
-        return transpose_concat(parts, self.threads, self.workers)
-
     def place(self, name: str | None, full_shape: tuple[int, ...], local: Callable[[int], np.ndarray]) -> jax.Array:
         """``local(d)``: device d's slice (host, any dtype) of a param of ``full_shape``; replicated params get
         the same slice everywhere."""
-        sharding = self.sharding(name, len(full_shape))
+        return self._assemble(name, full_shape, lambda d, device: jax.device_put(self.cast(local(d)), device))
+
+    def place_kernel(self, name: str | None, full_shape: tuple[int, int],
+                     parts_of: Callable[[int], list[np.ndarray]]) -> jax.Array:
+        """A [d_in, d_out] kernel of ``full_shape`` from device d's HF parts ``parts_of(d)`` ([rows, d_in] each,
+        stacked along d_out in order): cast and copied as they are, transposed on the device."""
+
+        def local(d: int, device) -> jax.Array:
+            parts = parts_of(d)
+            rows = self.cast(parts[0]) if len(parts) == 1 else np.concatenate(parts, axis=0, dtype=self.dtype,
+                                                                              casting="unsafe")
+            return _transposed(jax.device_put(rows, device))
+
+        return self._assemble(name, full_shape, local)
+
+    def _assemble(self, name: str | None, full_shape: tuple[int, ...], local: Callable) -> jax.Array:
+        """``local(d, device)`` -> device d's array; one device at a time, each finished before the next."""
         if self.tp is None:
-            return jax.device_put(self.cast(local(0)), sharding).block_until_ready()
-        arrays = []
-        for d, device in enumerate(self.devices):
-            arrays.append(jax.device_put(self.cast(local(d)), device).block_until_ready())
-        return jax.make_array_from_single_device_arrays(full_shape, sharding, arrays)
+            return local(0, self.devices[0]).block_until_ready()
+        arrays = [local(d, device).block_until_ready() for d, device in enumerate(self.devices)]
+        return jax.make_array_from_single_device_arrays(full_shape, self.sharding(name, len(full_shape)), arrays)
 
 
-def transpose_concat(parts: list[np.ndarray], threads: ThreadPoolExecutor, workers: int) -> np.ndarray:
-    """``concatenate([p.T for p in parts], axis=1)`` in C order, in column blocks on ``threads`` (``workers`` of
-    them) by :func:`strips`. Parts: 2-D, the same dtype and column count, any strides."""
-    out = np.empty((parts[0].shape[1], sum(p.shape[0] for p in parts)), parts[0].dtype)
-    bits = np.dtype(f"uint{8 * out.dtype.itemsize}")  # plain integers: numpy's fast copy loops, without the GIL
-    jobs, col = [], 0
-    for p in parts:
-        step = -(-p.shape[0] // (4 * workers))
-        for lo in range(0, p.shape[0], step):
-            hi = min(lo + step, p.shape[0])
-            jobs.append((p[lo:hi].view(bits), out[:, col + lo:col + hi].view(bits)))
-        col += p.shape[0]
-    for f in [threads.submit(strips, src, dst) for src, dst in jobs]:
-        f.result()
-    return out
+@jax.jit
+def _transposed(x: jax.Array) -> jax.Array:
+    """``x.T`` where ``x`` lives (one compile per kernel shape): a copy at device bandwidth."""
+    return x.T
 
 
-def strips(src: np.ndarray, dst: np.ndarray) -> None:
-    """``dst[...] = src.T`` a few source rows at a time: each strip's rows are read in step and written as short
-    contiguous runs, which keeps both in cache (numpy's plain ``.T`` copy of a large matrix runs at ~150 MB/s, by
-    strips ~1 GB/s per thread)."""
-    step = max(4, 32 // src.dtype.itemsize)
-    for lo in range(0, src.shape[0], step):
-        dst[:, lo:lo + step] = src[lo:lo + step].T
+class _ReadAhead:
+    """Checkpoint tensors by name, read on a thread ahead of their use (:meth:`prefetch`), else when asked."""
+
+    def __init__(self, entries: dict[str, TensorEntry], bar: tqdm):
+        self.entries, self.bar = entries, bar
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="load-read")
+        self._ahead: dict[str, Future] = {}
+
+    def prefetch(self, names: list[str]) -> None:
+        for name in names:
+            if name in self.entries and name not in self._ahead:
+                self._ahead[name] = self._thread.submit(read_tensor, self.entries[name])
+
+    def __call__(self, name: str) -> np.ndarray:
+        if name not in self.entries:
+            raise KeyError(f"checkpoint is missing tensor {name!r}")
+        future = self._ahead.pop(name, None)
+        x = future.result() if future is not None else read_tensor(self.entries[name])
+        self.bar.update(x.nbytes)
+        return x
+
+    def close(self) -> None:
+        for future in self._ahead.values():
+            future.cancel()
+        self._thread.shutdown(wait=True)
+
+
+def layer_tensor_names(i: int) -> list[str]:
+    """The HF names of layer ``i``'s tensors, in the order :func:`_layer_params` reads them."""
+    p = f"model.layers.{i}."
+    return ([p + "input_layernorm.weight"] + [f"{module_key(i, m)}.weight" for m in MODULES[:4]]
+            + [p + "post_attention_layernorm.weight"] + [f"{module_key(i, m)}.weight" for m in MODULES[4:]])
 
 
 def _block(x: np.ndarray, axis: int, d: int, n: int) -> np.ndarray:
@@ -163,8 +182,7 @@ def _outer_params(cfg: ModelConfig, read: Callable[[str], np.ndarray], placer: _
     embed_hf = read("model.embed_tokens.weight")
     embed = placer.place(None, embed_hf.shape, lambda d: embed_hf)
     head_hf = embed_hf if cfg.tie_word_embeddings or not has_head else read("lm_head.weight")
-    head = placer.transposed([head_hf])  # replicated: the same host array for every device
-    lm_head = placer.place(None, head.shape, lambda d: head)
+    lm_head = placer.place_kernel(None, head_hf.shape[::-1], lambda d: [head_hf])  # replicated
     norm = read("model.norm.weight")
     return embed, lm_head, placer.place(None, norm.shape, lambda d: norm)
 
@@ -180,11 +198,11 @@ def _layer_params(cfg: ModelConfig, i: int, read: Callable[[str], np.ndarray], p
     def column(name, modules):
         parts = [read(f"{module_key(i, m)}.weight") for m in modules]  # [d_out, d_in] each
         shape = (cfg.hidden_size, sum(fused_widths(cfg, name)))  # device-major columns (sharding.py)
-        return {"kernel": placer.place(name, shape, lambda d: placer.transposed([_block(w, 0, d, n) for w in parts]))}
+        return {"kernel": placer.place_kernel(name, shape, lambda d: [_block(w, 0, d, n) for w in parts])}
 
     def row(name, module):
         w = read(f"{module_key(i, module)}.weight")  # [d_out = hidden, d_in]
-        return {"kernel": placer.place(name, w.shape[::-1], lambda d: placer.transposed([_block(w, 1, d, n)]))}
+        return {"kernel": placer.place_kernel(name, w.shape[::-1], lambda d: [_block(w, 1, d, n)])}
 
     out = {"input_layernorm": vector("input_layernorm.weight")}
     out["qkv_proj"] = column("qkv_proj", MODULES[:3])
@@ -218,25 +236,19 @@ def stream_params(model_dir: str | Path, dtype=jnp.bfloat16, *, tp: TensorParall
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     entries = index_checkpoint(model_dir)
-    workers = transpose_threads()
-    with ThreadPoolExecutor(workers, thread_name_prefix="load") as threads:
-        placer = _Placer(cfg, dtype, tp, threads, workers)
-        total = sum(e.end - e.start for e in entries.values())
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {model_dir.name}", disable=not progress)
-
-        def read(name: str) -> np.ndarray:
-            if name not in entries:
-                raise KeyError(f"checkpoint is missing tensor {name!r}")
-            x = read_tensor(entries[name])
-            bar.update(x.nbytes)
-            return x
-
+    placer = _Placer(cfg, dtype, tp)
+    total = sum(e.end - e.start for e in entries.values())
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {model_dir.name}", disable=not progress)
+    read = _ReadAhead(entries, bar)
+    try:
         # stacked layers: zeros on the devices first (each param's sharding), filled one layer at a time in place
         stack = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding),
                              param_shapes(cfg, dtype, tp, stacked=True)["layers"]) if stacked else None
+        read.prefetch(layer_tensor_names(0))
         embed, lm_head, norm = _outer_params(cfg, read, placer, has_head="lm_head.weight" in entries)
         layers = []
         for i in range(cfg.num_hidden_layers):
+            read.prefetch(layer_tensor_names(i + 1) if i + 1 < cfg.num_hidden_layers else [])
             layer = _layer_params(cfg, i, read, placer)
             if stacked:
                 index = jnp.int32(i)
@@ -246,6 +258,8 @@ def stream_params(model_dir: str | Path, dtype=jnp.bfloat16, *, tp: TensorParall
                 layers.append(layer)
             del layer
         params = {"embed": embed, "layers": stack if stacked else layers, "norm": {"weight": norm}, "lm_head": lm_head}
+    finally:
+        read.close()
     bar.close()
     if tp is not None and not tp.is_placed(params):  # place_params would take them for the standard layout
         raise RuntimeError("streamed params did not land with the tensor-parallel shardings")
