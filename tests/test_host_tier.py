@@ -318,8 +318,11 @@ def test_failures_expire_only_for_failed_reads_that_may_pass():
     failures.record_read("slow", AdapterError("slow", "timed out", retry_after_s=5))
     failures.record_read("corrupt", AdapterError("corrupt", "bad header"))
     assert {n for n, _ in failures.items()} == {"invalid", "slow", "corrupt"} and len(failures) == 3
+    assert failures.get("slow").retry_after_s == 5
+    now[0] = 3.2  # Retry-After: what is left of the wait, in whole seconds
+    assert failures.get("slow").retry_after_s == 2 and failures.get("slow").adapter == "slow"
     now[0] = 4.9
-    assert "slow" in failures and failures.get("slow").reason == "timed out"
+    assert "slow" in failures and failures.get("slow").reason == "timed out" and failures.get("slow").retry_after_s == 1
     now[0] = 5.0
     assert "slow" not in failures and failures.get("slow") is None and len(failures) == 2
     assert failures.pop("corrupt").reason == "bad header" and failures.pop("corrupt", "none") == "none"

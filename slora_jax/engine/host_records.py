@@ -8,6 +8,7 @@ lock, never by their own.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -59,13 +60,19 @@ class Failures:
         self._errors[name] = (error, float("inf") if after is None else self._clock() + after)
 
     def get(self, name: str) -> AdapterError | None:
+        """The adapter's error; one that expires says how long it has left (``retry_after_s``, whole seconds, at
+        least 1), so a client told to retry is not told to wait longer than the failure stands."""
         record = self._errors.get(name)
         if record is None:
             return None
-        if record[1] <= self._clock():
+        error, expires = record
+        left = expires - self._clock()
+        if left <= 0:
             del self._errors[name]
             return None
-        return record[0]
+        if math.isinf(left):
+            return error
+        return type(error)(error.adapter, error.reason, float(max(1, math.ceil(left))))
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.get(name) is not None
