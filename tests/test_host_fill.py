@@ -48,6 +48,48 @@ def test_fill_reads_what_fits_and_never_evicts(make_store, tiny_cfg, rng):
     fill.close()
 
 
+def test_fill_rows_never_push_out_rows_a_request_used(make_store, tiny_cfg, rng):
+    """A fill read that lands after a request's read took its room is dropped, not kept by evicting; fill rows sit
+    at the cold end of the LRU, so a request's read evicts them first."""
+    gate = threading.Event()
+    adapters = {n: random_adapter(tiny_cfg, rng, n, ranks=(4,)) for n in "abcde"}
+    size = to_pool_rows(adapters["a"], tiny_cfg, np.float32).nbytes
+    store = make_store(host_budget_bytes=int(2.5 * size))
+    store.register("a", adapters["a"])
+    store.register("b", GatedSource(adapters["b"], gate))  # the fill's read of b waits at the gate
+    store.register("c", adapters["c"])
+    wait_host(store, "a")
+    [held] = store.host.read_ahead(["b"], cold=True)
+    wait_host(store, "c")  # a request's read fills the room b's read counted on
+    gate.set()
+    held.result(timeout=30)
+    assert in_host(store, "abc") == {"a", "c"} and store.stats()["host_evictions"] == 0
+    assert store.stats()["host_fill_dropped"] == 1
+    store.register("d", adapters["d"])
+    store.register("e", adapters["e"])
+    store.unregister("c")
+    [cold] = store.host.read_ahead(["d"], cold=True)
+    cold.result(timeout=30)
+    assert in_host(store, "ad") == {"a", "d"}
+    wait_host(store, "e")  # over budget: the fill's d goes before the request's a
+    assert in_host(store, "ade") == {"a", "e"}
+
+
+def test_a_request_joining_a_fill_read_keeps_its_rows(make_store, tiny_cfg, rng):
+    gate = threading.Event()
+    adapters = {n: random_adapter(tiny_cfg, rng, n, ranks=(4,)) for n in "ab"}
+    size = to_pool_rows(adapters["a"], tiny_cfg, np.float32).nbytes
+    store = make_store(host_budget_bytes=int(1.5 * size))
+    store.register("a", adapters["a"])
+    store.register("b", GatedSource(adapters["b"], gate))
+    [held] = store.host.read_ahead(["b"], cold=True)
+    wanted = store.host.fetch("b")  # a request for b while the fill reads it: kept as any read's, evicting if need be
+    wait_host(store, "a")
+    gate.set()
+    wanted.result(timeout=30)
+    assert held is wanted and in_host(store, "ab") == {"b"}
+
+
 def test_fill_picks_up_later_registrations_and_room(make_store, tiny_cfg, rng):
     adapters = {n: random_adapter(tiny_cfg, rng, n, ranks=(4,)) for n in "abc"}
     size = to_pool_rows(adapters["a"], tiny_cfg, np.float32).nbytes

@@ -3,10 +3,12 @@
 Without it an adapter is read from its files the first time a request names it, and an admission that waits for
 that read stalls the engine thread and every running sequence with it: on the H200, at 70% of saturation, 142 first
 reads of 86 ms were a third of the engine thread's time and the mean time to first token was 159 ms
-(benchmarks/NOTES.md, session 11). The fill goes through the host tier's read-ahead, so it reads only into free
-room of the host budget and never evicts; it keeps at most two of its reads in flight, and starts one only while
-fewer than three reads of any kind are, so the engine's own reads keep IO threads. Adapters registered later are
-read in a later pass; one whose read failed is not tried again by the fill (a request still may).
+(benchmarks/NOTES.md, session 11). The fill goes through the host tier's cold read-ahead: it reads only into free
+room of the host budget, never evicts (a read whose room other reads took meanwhile is dropped), and its rows are
+the least recently used, so requests' reads push them out first. It keeps at most two reads in flight, starting
+one only while fewer than three reads of any kind are, so the engine's own reads keep IO threads. Adapters
+registered later are read in a later pass; one whose read failed is not tried again by the fill (a request still
+may).
 """
 
 from __future__ import annotations
@@ -55,10 +57,18 @@ class HostFill:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        started = time.monotonic()
+        started, seen = time.monotonic(), None
         try:
             while not self._stop.is_set():
+                if self.host.reads_in_flight() is None:  # the tier closed
+                    return
+                state = self._state()
+                if state == seen:  # nothing registered, unregistered or dropped from host memory since the last pass
+                    if self._stop.wait(self.idle_s):
+                        return
+                    continue
                 if not self._one_pass():
+                    seen = state
                     if not self.complete.is_set():
                         self.complete.set()
                         log.info("host memory fill: %d adapters read in %.1f s (%d failed); the rest were there "
@@ -71,6 +81,10 @@ class HostFill:
         except Exception:  # noqa: BLE001 - a background helper: log, never take the server down
             log.exception("host memory fill stopped")
 
+    def _state(self) -> tuple:
+        stats = self.host.stats()
+        return stats["registered"], stats["in_host"], stats["host_bytes"], stats["failed"]
+
     def _one_pass(self) -> bool:
         """Read what fits of the registered adapters not in host memory; whether any read was started."""
         read_any = False
@@ -80,11 +94,13 @@ class HostFill:
             if name in self._failed or self.host.has_rows(name):
                 continue
             self._wait_for_turn()
-            started = self.host.read_ahead([name])  # [] if there, loading, failed, gone, or not fitting
+            started = self.host.read_ahead([name], cold=True)  # [] if there, loading, failed, gone, or not fitting
             if started:
                 read_any = True
                 self._pending[name] = started[0]
         while self._pending:
+            if self._stop.is_set():
+                raise _Closed
             self._settle(wait=True)
         return read_any
 
@@ -110,10 +126,11 @@ class HostFill:
         for name, future in list(self._pending.items()):
             if future.done():
                 del self._pending[name]
-                if future.exception() is None:
+                if self.host.has_rows(name):
                     self.filled += 1
-                else:  # the host tier recorded and logged why
+                elif self.host.error_of(name) is not None:  # the host tier recorded and logged why
                     self._failed.add(name)
+                # else: unregistered meanwhile, the store closing, or no room left when it landed
 
 
 class _Closed(Exception):

@@ -40,6 +40,7 @@ class HostLoad:
     entry: AdapterEntry
     future: Future
     claimed: bool = False
+    cold: bool = False  # a background fill's read: kept only in free room (HostTier.read_ahead)
 
 
 class Failures:

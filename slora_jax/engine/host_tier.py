@@ -168,11 +168,9 @@ class HostTier:
         with self._lock:
             return self._errors.get(name)
 
-    def pages(self, name: str) -> int:
-        """Pool pages the adapter takes when resident (0 for unknown adapters)."""
+    def pages(self, name: str) -> int:  # pool pages the adapter takes when resident (0 for unknown adapters)
         with self._lock:
-            entry = self._entries.get(name)
-            return 0 if entry is None else entry.pages
+            return getattr(self._entries.get(name), "pages", 0)
 
     def usable_pages(self, name: str) -> int:
         """Pool pages of an adapter that may be loaded; raises its :class:`AdapterError` if it is unknown or failed."""
@@ -201,27 +199,21 @@ class HostTier:
                              "error": getattr(self._errors.get(e.name), "reason", None),
                              "reads": e.reads} for e in entries}
 
-    def pages_to_load(self, name: str) -> int:
-        """Pool pages of an adapter that may be loaded; 0 for unknown or failed ones (their loads raise why)."""
+    def pages_to_load(self, name: str) -> int:  # pool pages if it may be loaded; 0 if unknown or failed (loads say why)
         with self._lock:
-            entry = self._entries.get(name)
-            return 0 if entry is None or name in self._errors else entry.pages
+            return 0 if name in self._errors else getattr(self._entries.get(name), "pages", 0)
 
     # ---- host rows --------------------------------------------------------------------------------------------
 
     def fetch(self, name: str) -> Future:
-        """Future of the adapter's host rows: done at once if cached or failed, else read on an IO thread.
-
-        The future raises the adapter's :class:`AdapterError` if it cannot be loaded; that error is recorded so
-        later requests fail the same way without re-reading (until :meth:`retry`, or for a failure that may pass
-        until its ``retry_after_s``).
-        """
+        """Future of the adapter's host rows: done at once if cached or failed, else read on an IO thread. It
+        raises the adapter's :class:`AdapterError` if it cannot be loaded, recorded so later requests fail the same
+        way without re-reading (until :meth:`retry`, or for a failure that may pass until its ``retry_after_s``)."""
         entry = self._entry(name)
         with self._lock:
             return self._fetch_locked(entry)
 
-    def has_rows(self, name: str) -> bool:
-        """Whether the adapter's rows are in host memory now."""
+    def has_rows(self, name: str) -> bool:  # whether the adapter's rows are in host memory now
         with self._lock:
             return name in self._host
 
@@ -250,11 +242,12 @@ class HostTier:
             self._run_load(inline, inline=True)
         return future.result()
 
-    def read_ahead(self, names: Iterable[str]) -> list[Future]:
+    def read_ahead(self, names: Iterable[str], cold: bool = False) -> list[Future]:
         """Start host reads only into free host room (budget and count, counting reads in flight), so they never
         evict cached rows (or staged pages) of adapters needed sooner; nothing else (no staging, no LRU moves).
         ``names`` in queue order; the caller leaves out adapters it does not need read (e.g. resident ones).
-        Returns the futures of the reads it started."""
+        ``cold`` (a background fill's): rows kept only if they still fit when read (other reads may have filled
+        the room meanwhile), as the least recently used. Returns the futures of the reads it started."""
         started: list[Future] = []
         with self._lock:
             if self._closed:
@@ -271,14 +264,13 @@ class HostTier:
                 size = entry.pages * page_bytes
                 if size > room or (slots is not None and slots < 1):
                     break  # in queue order: what does not fit now is read when it gets nearer the head
-                started.append(self._start_read_locked(entry))
+                started.append(self._start_read_locked(entry, cold))
                 self._counts["read_aheads"] += 1
                 room -= size
                 slots = None if slots is None else slots - 1
         return started
 
-    def reads_in_flight(self) -> int | None:
-        """Reads started and not finished; None once the tier is closed (a background reader's cue to stop)."""
+    def reads_in_flight(self) -> int | None:  # reads started, not finished; None once closed (a filler's cue to stop)
         with self._lock:
             return None if self._closed else len(self._loads)
 
@@ -323,8 +315,7 @@ class HostTier:
             staging = self._staging.take_locked(self._entries.get(name), name, rows)
         return None if staging is None else staged_pages(staging, wait)
 
-    def loaded(self, name: str) -> None:
-        """The adapter was loaded into the pool: a past staging failure no longer matters."""
+    def loaded(self, name: str) -> None:  # loaded into the pool: a past staging failure no longer matters
         self._staging.loaded(name)
 
     # ---- stats / lifecycle ------------------------------------------------------------------------------------
@@ -338,8 +329,8 @@ class HostTier:
                      "loading": len(self._loads), "failed": len(self._errors), "staged": len(self._staging),
                      "host_bytes": self._host_bytes, "host_budget_bytes": self.host_budget_bytes}
             counts = self._counts + self._staging.counts
-        io_keys = ("host_hits", "host_misses", "host_loads", "host_evictions", "host_too_large", "load_errors",
-                   "stagings", "staged_dropped", "read_aheads")
+        io_keys = ("host_hits", "host_misses", "host_loads", "host_evictions", "host_too_large", "host_fill_dropped",
+                   "load_errors", "stagings", "staged_dropped", "read_aheads")
         return stats | {k: counts[k] for k in io_keys}
 
     def close(self, wait: bool = True) -> None:
@@ -407,11 +398,13 @@ class HostTier:
         load = self._loads.get(name)
         if load is None and self._closed:
             return settled(error=AdapterError(name, "adapter store closed"))
+        if load is not None:
+            load.cold = False  # a request wants these rows now: kept as any read's
         return load.future if load is not None else self._start_read_locked(entry)
 
-    def _start_read_locked(self, entry: AdapterEntry) -> Future:
+    def _start_read_locked(self, entry: AdapterEntry, cold: bool = False) -> Future:
         self._counts["host_misses"] += 1
-        load = self._loads[entry.name] = HostLoad(entry, Future())
+        load = self._loads[entry.name] = HostLoad(entry, Future(), cold=cold)
         self._executor.submit(self._run_load, load)
         return load.future
 
@@ -467,7 +460,7 @@ class HostTier:
                 entry.reads = (entry.reads[0] + 1, entry.reads[1] + seconds, seconds)
                 if current:
                     entry.pages = rows.pages_needed(self.pool.page_rows)
-                    self._insert_host(name, rows)
+                    self._insert_host(name, rows, load.cold)
             if staging is not None:  # useless if failed, unregistered, dropped meanwhile or not kept in host memory
                 staged = self._staging.publish_locked(name, staging, rows, staged, self._host.get(name) is rows)
         if staging is not None:
@@ -478,15 +471,21 @@ class HostTier:
             self._tell_read(name, seconds)
         finish(load.future, rows, error)
 
-    def _insert_host(self, name: str, rows: AdapterRows) -> None:
-        """Cache rows, evicting least recently used ones over budget; rows larger than the budget are not kept."""
-        size = rows.nbytes
+    def _insert_host(self, name: str, rows: AdapterRows, cold: bool = False) -> None:
+        """Cache rows, evicting least recently used ones over budget; rows larger than the budget are not kept;
+        ``cold`` rows only into free room, as the least recently used."""
+        size, most = rows.nbytes, math.inf if self.max_host_adapters is None else self.max_host_adapters
+        if cold and (self._host_bytes + size > self.host_budget_bytes or len(self._host) >= most):
+            self._counts["host_fill_dropped"] += 1
+            return
         if size > self.host_budget_bytes or self.max_host_adapters == 0:
             self._counts["host_too_large"] += 1
             return
         self._drop_host(name, keep_staged=True)  # the caller settles this name's staging
         self._host[name], self._host_sizes[name] = rows, size
         self._host_bytes += size
+        if cold:
+            self._host.move_to_end(name, last=False)
         while self._host_bytes > self.host_budget_bytes or (
                 self.max_host_adapters is not None and len(self._host) > self.max_host_adapters):
             oldest = next(iter(self._host))

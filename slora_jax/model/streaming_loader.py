@@ -1,13 +1,14 @@
 """Stream an HF safetensors checkpoint onto the devices one tensor at a time, each device getting only its slices.
 
-The host never holds more than the tensors of one param (q, k, v for the fused ``qkv_proj``; gate, up) in the
+The host holds the tensors of two layers at most (the one being placed and the next, read ahead) in the
 checkpoint's dtype plus one device's slice in the serving dtype: tensors are read with plain file reads at their
 header offsets (no memory map, so the process's resident memory does not grow with the file), the next layer's on a
 reading thread while this one is placed, sliced per device (:mod:`slora_jax.model.sharding`: fused kernels in
 device-major column order), cast, copied to their device as HF lays them out ([d_out, d_in]) and transposed there
 (a host transpose ran at ~1 GB/s a thread and held a 7B load to ~0.8 GB/s on the H200), and assembled with
 ``jax.make_array_from_single_device_arrays``. Stacked layers (``lax.scan``) are filled one layer at a time in place
-on the devices. A 70B checkpoint (138 GB) loads with ~3.5 GB of host memory at any moment (two layers' tensors).
+on the devices. A 70B checkpoint (138 GB) loads with ~3.5 GB of host memory (two layers), ~6 GB while the untied
+embedding and lm_head are placed with layer 0 read ahead.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from .config import MODULES, ModelConfig, module_key
@@ -96,10 +98,13 @@ class _Placer:
         self.n = tp.size if tp is not None else 1
         self.devices = tp.devices if tp is not None else [jax.devices()[0]]
 
-    def sharding(self, name: str | None, ndim: int):
+    def sharding(self, name: str | None, ndim: int, transposed: bool = False):
+        """The param's sharding; ``transposed``: of a kernel in HF layout ([d_out, d_in]) before its transpose."""
         if self.tp is None:
             return SingleDeviceSharding(self.devices[0])
-        return NamedSharding(self.tp.mesh, param_spec(name, ndim))
+        spec = tuple(param_spec(name, ndim))
+        spec = spec + (None,) * (ndim - len(spec))
+        return NamedSharding(self.tp.mesh, P(*(spec[::-1] if transposed else spec)))
 
     def cast(self, x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x, dtype=self.dtype)  # a copy only when the dtype or the layout differs
@@ -107,7 +112,8 @@ class _Placer:
     def place(self, name: str | None, full_shape: tuple[int, ...], local: Callable[[int], np.ndarray]) -> jax.Array:
         """``local(d)``: device d's slice (host, any dtype) of a param of ``full_shape``; replicated params get
         the same slice everywhere."""
-        return self._assemble(name, full_shape, lambda d, device: jax.device_put(self.cast(local(d)), device))
+        return self._assemble(full_shape, self.sharding(name, len(full_shape)),
+                              lambda d, device: jax.device_put(self.cast(local(d)), device))
 
     def place_kernel(self, name: str | None, full_shape: tuple[int, int],
                      parts_of: Callable[[int], list[np.ndarray]]) -> jax.Array:
@@ -118,21 +124,27 @@ class _Placer:
             parts = parts_of(d)
             rows = self.cast(parts[0]) if len(parts) == 1 else np.concatenate(parts, axis=0, dtype=self.dtype,
                                                                               casting="unsafe")
-            return _transposed(jax.device_put(rows, device))
+            return jax.device_put(rows, device)
 
-        return self._assemble(name, full_shape, local)
+        hf = self._assemble(full_shape[::-1], self.sharding(name, 2, transposed=True), local)
+        return _transposer(self.sharding(name, 2))(hf).block_until_ready()
 
-    def _assemble(self, name: str | None, full_shape: tuple[int, ...], local: Callable) -> jax.Array:
+    def _assemble(self, shape: tuple[int, ...], sharding, local: Callable) -> jax.Array:
         """``local(d, device)`` -> device d's array; one device at a time, each finished before the next."""
         if self.tp is None:
             return local(0, self.devices[0]).block_until_ready()
         arrays = [local(d, device).block_until_ready() for d, device in enumerate(self.devices)]
-        return jax.make_array_from_single_device_arrays(full_shape, self.sharding(name, len(full_shape)), arrays)
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
-@jax.jit
-def _transposed(x: jax.Array) -> jax.Array:
-    """``x.T`` where ``x`` lives (one compile per kernel shape): a copy at device bandwidth."""
+@functools.cache
+def _transposer(sharding) -> Callable:
+    """``x.T`` into ``sharding`` on the devices that hold ``x`` (each transposes its own block: a kernel sharded on
+    d_out in HF layout is sharded on d_out after it too); one compile per kernel shape."""
+    return jax.jit(_transpose, out_shardings=sharding)
+
+
+def _transpose(x: jax.Array) -> jax.Array:
     return x.T
 
 
@@ -160,6 +172,7 @@ class _ReadAhead:
     def close(self) -> None:
         for future in self._ahead.values():
             future.cancel()
+        self._ahead.clear()  # a failed load's traceback must not keep a layer of tensors alive
         self._thread.shutdown(wait=True)
 
 

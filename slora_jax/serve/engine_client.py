@@ -25,6 +25,7 @@ import itertools
 import logging
 import multiprocessing
 import threading
+import time
 from typing import Any
 
 from ..engine.forks import sample_ids
@@ -138,15 +139,14 @@ class EngineClient(EngineHandle):
 
     @staticmethod
     def _wait_ready(conn, process, timeout: float | None) -> dict:
-        """The "ready" message's facts. What comes before it (adapter events of the host fill's first reads, a
-        status) is dropped: no listener can have asked for it yet."""
-        waited = 0.0
+        """The "ready" message's facts. The rest of its batch and what came before it (adapter events of the host
+        fill's first reads, a status) are dropped: no listener can have asked for them yet."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             while not conn.poll(1.0):
-                waited += 1.0
                 if not process.is_alive():
                     raise RuntimeError(f"the engine process exited during start-up ({_exit_text(process)})")
-                if timeout is not None and waited >= timeout:
+                if deadline is not None and time.monotonic() >= deadline:
                     raise RuntimeError(f"the engine process was not ready within {timeout:.0f} s")
             try:
                 batch = conn.recv()
@@ -158,6 +158,8 @@ class EngineClient(EngineHandle):
                     return payload
                 if kind == "failed":
                     raise RuntimeError(f"the engine process could not start: {payload}")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RuntimeError(f"the engine process was not ready within {timeout:.0f} s")
 
     # ---------------------------------------------------------------- health
     def start(self) -> EngineClient:
