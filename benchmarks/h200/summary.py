@@ -224,6 +224,15 @@ def http(paths: list[str]) -> None:
                  (inproc.get("throughput_req_s"), "7.2f"), (cmp_.get("http_over_in_process_sat"), "6.3f"),
                  (cmp_.get("http_errors"), "4d")]
         print(f"   {Path(p).name[:48]:48s} " + " ".join(cell(v, spec) for v, spec in cells))
+        low_srv = low.get("server") or {}
+        reads = ((low_srv.get("adapter_loads") or {}).get("host") or {})
+        phases = low_srv.get("host_ms_per_step") or {}
+        print(f"     x0.7: step {cell(low_srv.get('step_ms_mean'), '1.1f')} ms, schedule "
+              f"{cell(phases.get('schedule'), '1.1f')}, dispatch {cell(phases.get('dispatch'), '1.1f')}, host reads "
+              f"{cell(reads.get('n'), '1.0f')} ({cell(reads.get('ms_mean'), '1.0f')} ms), adapters in host "
+              f"{low_srv.get('adapters_in_host', '-')}, ITL p99 {cell((low.get('itl_ms') or {}).get('p99'), '1.0f')}"
+              f" ms; weights+pool {cell((r.get('server_phases') or {}).get('weights_and_pool_s'), '1.1f')} s, "
+              f"in-process restart {cell((r.get('in_process') or {}).get('startup_s'), '1.1f')} s")
         sats.append((Path(p).name, sat.get("throughput_req_s")))
         ref = ref or ((Path(p).name, inproc["throughput_req_s"]) if inproc.get("throughput_req_s") else None)
         if r.get("server_error"):
