@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # 4 CPU devices, beside any flags
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),  # (.ci/gpu-suite sets its own)
+                                                     "--xla_force_host_platform_device_count=4"]))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
