@@ -88,8 +88,6 @@ class HostFill:
     def _one_pass(self) -> bool:
         """Read what fits of the registered adapters not in host memory; whether any read was started."""
         read_any = False
-        if self.host.reads_in_flight() is None:  # the tier closed
-            raise _Closed
         for name in self.host.names():
             if name in self._failed or self.host.has_rows(name):
                 continue

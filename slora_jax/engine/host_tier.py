@@ -486,8 +486,7 @@ class HostTier:
         self._host_bytes += size
         if cold:
             self._host.move_to_end(name, last=False)
-        while self._host_bytes > self.host_budget_bytes or (
-                self.max_host_adapters is not None and len(self._host) > self.max_host_adapters):
+        while self._host_bytes > self.host_budget_bytes or len(self._host) > most:
             oldest = next(iter(self._host))
             self._drop_host(oldest)
             self._counts["host_evictions"] += 1

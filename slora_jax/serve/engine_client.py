@@ -143,11 +143,12 @@ class EngineClient(EngineHandle):
         fill's first reads, a status) are dropped: no listener can have asked for them yet."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            while not conn.poll(1.0):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RuntimeError(f"the engine process was not ready within {timeout:.0f} s")
+            if not conn.poll(1.0):
                 if not process.is_alive():
                     raise RuntimeError(f"the engine process exited during start-up ({_exit_text(process)})")
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise RuntimeError(f"the engine process was not ready within {timeout:.0f} s")
+                continue
             try:
                 batch = conn.recv()
             except (EOFError, OSError):
@@ -158,8 +159,6 @@ class EngineClient(EngineHandle):
                     return payload
                 if kind == "failed":
                     raise RuntimeError(f"the engine process could not start: {payload}")
-            if deadline is not None and time.monotonic() >= deadline:
-                raise RuntimeError(f"the engine process was not ready within {timeout:.0f} s")
 
     # ---------------------------------------------------------------- health
     def start(self) -> EngineClient:
