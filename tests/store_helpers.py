@@ -14,6 +14,7 @@ import random_lora
 from pallas_kernels.lora_common import virtual_to_physical
 from slora_jax.engine.adapter_store import AdapterStore
 from slora_jax.engine.pool import PagedPool
+from slora_jax.lora.pool_rows import to_pool_rows
 from slora_jax.lora.sources import AdapterSource, InMemorySource
 from slora_jax.model.adapter_weights import LoraAdapter
 from slora_jax.model.config import MODULES, ModelConfig
@@ -24,6 +25,13 @@ QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Pages per adapter in the tiny model: rank r on q,k,v,o takes 28 r vectors per layer -> r4: 7 pages, r8: 14 pages.
 
 random_adapter = functools.partial(random_lora.random_adapter, targets=QKVO)  # S-LoRA's targets unless told
+
+
+def rank4_adapters(cfg: ModelConfig, rng, names) -> tuple[dict[str, LoraAdapter], int]:
+    """Rank-4 q,k,v,o adapters named after ``names`` and the host bytes of one's rows (all the same size), for
+    budgets counted in adapters."""
+    adapters = {n: random_adapter(cfg, rng, n, ranks=(4,)) for n in names}
+    return adapters, to_pool_rows(next(iter(adapters.values())), cfg, np.float32).nbytes
 
 
 def logged_rng(test_name: str) -> np.random.Generator:

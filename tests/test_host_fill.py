@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from store_helpers import GatedSource, random_adapter, wait_host
+from store_helpers import GatedSource, random_adapter, rank4_adapters, wait_host
 
 from slora_jax.engine.host_fill import HostFill
 from slora_jax.lora.pool_rows import to_pool_rows
@@ -29,8 +29,7 @@ def in_host(store, names):
 
 
 def test_fill_reads_what_fits_and_never_evicts(make_store, tiny_cfg, rng):
-    adapters = {n: random_adapter(tiny_cfg, rng, n, ranks=(4,)) for n in "abcdef"}
-    size = to_pool_rows(adapters["a"], tiny_cfg, np.float32).nbytes
+    adapters, size = rank4_adapters(tiny_cfg, rng, "abcdef")
     store = make_store(host_budget_bytes=int(3.5 * size))
     for name, adapter in adapters.items():
         store.register(name, adapter)
@@ -52,8 +51,7 @@ def test_fill_rows_never_push_out_rows_a_request_used(make_store, tiny_cfg, rng)
     """A fill read that lands after a request's read took its room is dropped, not kept by evicting; fill rows sit
     at the cold end of the LRU, so a request's read evicts them first."""
     gate = threading.Event()
-    adapters = {n: random_adapter(tiny_cfg, rng, n, ranks=(4,)) for n in "abcde"}
-    size = to_pool_rows(adapters["a"], tiny_cfg, np.float32).nbytes
+    adapters, size = rank4_adapters(tiny_cfg, rng, "abcde")
     store = make_store(host_budget_bytes=int(2.5 * size))
     store.register("a", adapters["a"])
     store.register("b", GatedSource(adapters["b"], gate))  # the fill's read of b waits at the gate
@@ -77,8 +75,7 @@ def test_fill_rows_never_push_out_rows_a_request_used(make_store, tiny_cfg, rng)
 
 def test_a_request_joining_a_fill_read_keeps_its_rows(make_store, tiny_cfg, rng):
     gate = threading.Event()
-    adapters = {n: random_adapter(tiny_cfg, rng, n, ranks=(4,)) for n in "ab"}
-    size = to_pool_rows(adapters["a"], tiny_cfg, np.float32).nbytes
+    adapters, size = rank4_adapters(tiny_cfg, rng, "ab")
     store = make_store(host_budget_bytes=int(1.5 * size))
     store.register("a", adapters["a"])
     store.register("b", GatedSource(adapters["b"], gate))
@@ -91,8 +88,7 @@ def test_a_request_joining_a_fill_read_keeps_its_rows(make_store, tiny_cfg, rng)
 
 
 def test_fill_picks_up_later_registrations_and_room(make_store, tiny_cfg, rng):
-    adapters = {n: random_adapter(tiny_cfg, rng, n, ranks=(4,)) for n in "abc"}
-    size = to_pool_rows(adapters["a"], tiny_cfg, np.float32).nbytes
+    adapters, size = rank4_adapters(tiny_cfg, rng, "abc")
     store = make_store(host_budget_bytes=int(2.5 * size))
     store.register("a", adapters["a"])
     fill = HostFill(store.host, idle_s=0.02).start()

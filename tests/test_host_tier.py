@@ -15,6 +15,7 @@ from store_helpers import (
     GatedSource,
     assert_holds,
     random_adapter,
+    rank4_adapters,
     seed_of,
     wait_host,
     wait_stagings,
@@ -33,8 +34,7 @@ from slora_jax.tools import synth
 
 
 def test_host_cache_is_lru_within_its_byte_budget(make_store, tiny_cfg, rng):
-    adapters = {n: random_adapter(tiny_cfg, rng, n, ranks=(4,)) for n in "abcd"}
-    size = to_pool_rows(adapters["a"], tiny_cfg, np.float32).nbytes
+    adapters, size = rank4_adapters(tiny_cfg, rng, "abcd")
     store = make_store(host_budget_bytes=int(2.5 * size))
     for name, adapter in adapters.items():
         store.register(name, adapter)
