@@ -97,21 +97,25 @@ def check_wheels(whl: Path) -> int:
     reqs = [(r, "project") for r in project_requirements()]
     reqs += [(r, n) for n, (_, rs) in carried.items() for r in rs if applies(r, TARGET_ENV)]
     bad = 0
+    versions = {n: v for n, (v, _) in carried.items()}
     for req, who in reqs:
-        name = canonicalize_name(req.name)
-        if name in carried:
-            ok = req.specifier.contains(carried[name][0], prereleases=True)
-            how = f"carried {carried[name][0]}"
-        elif name in IMAGE:
-            ok, how = True, "image" + (f" (floor {floor[name]} carried)" if name in floor else "")
-        else:
-            ok, how = False, "NOWHERE"
+        ok, how = met(req, versions)
+        if how == "image" and (name := canonicalize_name(req.name)) in floor:
+            how += f" (floor {floor[name]} carried)"
         if not ok:
             bad += 1
             print(f"preflight: {req} (for {who}): {how}")
     print(f"preflight: {len(carried)} carried wheels, {len(floor)} floor wheels, {len(reqs)} requirements: "
           + ("all met or imaged" if not bad else f"{bad} NOT MET"))
     return 1 if bad else 0
+
+
+def met(req, versions: dict[str, str]) -> tuple[bool, str]:
+    """Whether ``req`` is met, and by what: a carried wheel's version in ``versions``, else the image, else nowhere."""
+    name = canonicalize_name(req.name)
+    if name in versions:
+        return req.specifier.contains(versions[name], prereleases=True), f"carried {versions[name]}"
+    return (True, "image") if name in IMAGE else (False, "NOWHERE")
 
 
 def check_aiperf_wheels(whl: Path) -> int:
@@ -124,18 +128,13 @@ def check_aiperf_wheels(whl: Path) -> int:
         return 1
     bad = unused = 0
     reqs = [(r, n) for n, (_, rs) in own.items() for r in rs if applies(r, TARGET_ENV)]
+    versions = server | {n: v for n, (v, _) in own.items()}  # aiperf's site comes first on its path
     for req, who in reqs:
         name = canonicalize_name(req.name)
-        have = own.get(name, (server.get(name),))[0]
-        if have is not None:
-            ok, how = req.specifier.contains(have, prereleases=True), f"carried {have}"
-        elif name in IMAGE:
-            ok, how = True, "image"
-        elif name in AIPERF_UNUSED:
+        if name in AIPERF_UNUSED and name not in versions and name not in IMAGE:
             unused += 1
             continue
-        else:
-            ok, how = False, "NOWHERE"
+        ok, how = met(req, versions)
         if not ok:
             bad += 1
             print(f"preflight: aiperf: {req} (for {who}): {how}")
