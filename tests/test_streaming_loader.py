@@ -148,32 +148,38 @@ def test_converted_params_restore_only_for_the_same_model_and_layout(tmp_path, t
 
 
 def test_host_memory_while_loading_stays_a_fraction_of_the_checkpoint(tmp_path):
-    """~340 MB float32 checkpoint in 3 shards, loaded as bfloat16 onto 2 devices in a fresh process (probe:
-    tests/load_memory_probe.py). Bound: a tenth of the checkpoint, a layer read ahead, plus 96 MiB for what does not
-    grow with it (jit
-    compiles of the loader, the allocator, the replicated embedding placed before the layers); the brief's bound
-    for real checkpoints is a tenth plus 2 GB. The reference loader, as a control, must break it."""
-    preset = dict(synth.preset_config("tiny"), vocab_size=8192, hidden_size=512, intermediate_size=1536,
-                  num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
-    model_dir = synth.write_model(tmp_path / "big", preset, seed=3, shard_bytes=128 << 20)
+    """A ~340 MB float32 checkpoint in 3 shards (24 layers) and a 2-layer one of the same widths, each loaded as
+    bfloat16 onto 2 devices in a fresh process (probe: tests/load_memory_probe.py). The claim is about what *grows*
+    with the checkpoint: the big load's staging may exceed the small one's by a tenth of the extra bytes plus the
+    layer read ahead. The small load measures what does not grow (the loader's jit compiles, the allocator's arenas,
+    the XLA CPU client's thread pools, the replicated embedding); that part differs between hosts (121 MB on the
+    2-core box, 154 MB on the 16-core GPU machine, whose fixed 96 MiB allowance broke). The brief's absolute bound
+    for real checkpoints, a tenth plus 2 GB, is checked too. The reference loader, as a control, must break both."""
+    widths = dict(synth.preset_config("tiny"), vocab_size=8192, hidden_size=512, intermediate_size=1536,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+    big = synth.write_model(tmp_path / "big", dict(widths, num_hidden_layers=24), seed=3, shard_bytes=128 << 20)
+    small = synth.write_model(tmp_path / "small", dict(widths, num_hidden_layers=2), seed=4, shard_bytes=128 << 20)
 
-    def probe(how: str) -> dict:
+    def probe(model_dir, how: str) -> dict:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         out = subprocess.run([sys.executable, str(ROOT / "tests" / "load_memory_probe.py"), str(model_dir), how],
                              capture_output=True, text=True, env=env, timeout=600)
         assert out.returncode == 0, f"probe {how!r} failed:\n{out.stderr[-3000:]}"
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    stream = probe("stream")
-    ckpt = stream["checkpoint_bytes"]
-    assert ckpt > 300 << 20
-    assert stream["device_bytes"] >= ckpt // 2  # bfloat16 params (replicated embeddings twice)
+    def growth(how: str) -> tuple[int, int, dict]:
+        b, s = probe(big, how), probe(small, how)
+        return b["staging_bytes"] - s["staging_bytes"], b["checkpoint_bytes"] - s["checkpoint_bytes"], b
+
+    grew, extra, stream = growth("stream")
+    assert extra > 250 << 20
+    assert stream["device_bytes"] >= stream["checkpoint_bytes"] // 2  # bfloat16 params (replicated embeddings twice)
     # + one layer: the next layer's tensors are read while this one is placed (~14 MB here)
-    bound = ckpt // 10 + ckpt // preset["num_hidden_layers"] + (96 << 20)
-    assert stream["staging_bytes"] <= bound, stream
-    assert stream["staging_bytes"] <= ckpt // 10 + (2 << 30)
-    eager = probe("eager")
-    assert eager["staging_bytes"] > 2 * ckpt > bound, eager  # the measurement tells the two loaders apart
+    bound = extra // 10 + extra // 22
+    assert grew <= bound, (grew, bound, stream)
+    assert stream["staging_bytes"] <= stream["checkpoint_bytes"] // 10 + (2 << 30)
+    eager_grew, _, eager = growth("eager")
+    assert eager_grew > 2 * extra > bound, (eager_grew, eager)  # the measurement tells the two loaders apart
 
 
 @needs_2
