@@ -11,6 +11,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from store_helpers import StoreMaker, logged_rng  # noqa: E402
+from xdist_order import order_for_xdist  # noqa: E402
 
 from slora_jax.model.config import ModelConfig  # noqa: E402
 from slora_jax.tools import synth  # noqa: E402
@@ -20,11 +21,11 @@ ON_GPU = jax.default_backend() == "gpu"
 # One persistent compilation cache for the whole run (a temporary dir): many test modules build and warm up engines
 # of the same tiny shapes, and each engine's jitted steps are new functions to JAX, so without it every module
 # compiled the same executables again. Compile counts are unchanged (a cache hit still counts as a compile request);
-# tests of the cache itself run in subprocesses with their own dirs. SLORA_TEST_COMPILE_CACHE=0 turns it off. On by
-# default on the CPU (CI: 1467 -> ~1000 s); on a GPU only with SLORA_TEST_COMPILE_CACHE=1 until the GPU suite is timed
-# with it: there the 12 xdist workers share one dir (named by the run's id, left for the machine's /tmp) and compile
-# warm-ups on 2 threads each (16 cores).
-_CACHE_SWITCH = os.environ.get("SLORA_TEST_COMPILE_CACHE", "0" if ON_GPU else "1")
+# tests of the cache itself run in subprocesses with their own dirs. SLORA_TEST_COMPILE_CACHE=0 turns it off. CPU (CI):
+# 1467 -> ~1000 s. GPU suite (session 12, 12 workers): 345 -> 333 s, 804 compiles served from it, an engine file's
+# fixture 188 -> 116 s; the xdist workers share one dir (named by the run's id, left for the machine's /tmp) and
+# compile warm-ups on 2 threads each.
+_CACHE_SWITCH = os.environ.get("SLORA_TEST_COMPILE_CACHE", "1")
 if _CACHE_SWITCH != "0":
     import atexit  # noqa: E402
     import shutil  # noqa: E402
@@ -288,27 +289,10 @@ def make_store(tiny_cfg):
         yield make
 
 
-# The GPU suite (`.ci/gpu-suite`, pytest-xdist `--dist loadgroup`): one group per test file, so a file's fixtures are
-# built once, except the kernel files, whose compiled GPU cases take 90-240 s per test function on the H200 and bound
-# the whole run when a file is one unit (390 s with `loadfile`): their tests are groups of their own. Those groups go
-# first, so no long one starts last. Without xdist's loadgroup (CI, a plain run) nothing changes.
-SPLIT_FOR_XDIST = ("test_attention_kernels.py", "test_lora_fused.py", "test_lora_kernels.py",
-                   "test_mosaic_prefill_attention.py", "test_parallel_warmup.py")
-# Files whose module fixtures alone took 45-180 s on the H200 (session 8, 12 workers: prefix cache 176 s of setup,
-# staggered engine 113, logprobs 82, forks 82, ...), slowest first: queued before everything else, longest first, so
-# the run does not end waiting on one of them that started late (the suite took 353 s).
-# The two corpus files (873 and 295 fast tests behind one module server each) go early too. pytest-xdist >= 3.5 sorts
-# loadgroup's queue by tests per group unless told not to (pytest_configure below), which put these files 28th-40th.
-HEAVY_FOR_XDIST = ("test_prefix_cache.py", "test_engine.py", "test_engine_edges.py", "test_logprobs.py",
-                   "test_request_corpus.py", "test_forks.py", "test_penalties.py", "test_engine_process.py",
-                   "test_server_logprobs.py", "test_adapter_corpus.py", "test_server_warmup.py",
-                   "test_executable_store.py", "test_server_load.py", "test_adapter_mixes.py",
-                   "test_structured_output.py", "test_server.py")
-
-
 def pytest_configure(config):
-    """Keep the queue in the order made below (xdist 3.5+'s ``loadscopereorder``, on by default, sorts groups by their
-    number of tests). An option, not a command-line flag: older xdist has neither, and an unknown flag stops pytest."""
+    """Keep the queue in the order tests/xdist_order.py makes (xdist 3.5+'s ``loadscopereorder``, on by default,
+    sorts groups by their number of tests). An option, not a command-line flag: older xdist has neither, and an
+    unknown flag stops pytest."""
     if getattr(config.option, "dist", None) == "loadgroup" and hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     if _LEDGER_DIR:
@@ -320,16 +304,6 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the marks into node ids
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("loadgroup", default=False):
-        return
-    file_of = {i: i.nodeid.split("::")[0].rsplit("/", 1)[-1] for i in items}
-    split = [i for i in items if file_of[i] in SPLIT_FOR_XDIST]
-    heavy = sorted((i for i in items if file_of[i] in HEAVY_FOR_XDIST),
-                   key=lambda i: HEAVY_FOR_XDIST.index(file_of[i]))  # stable: a file's own order is kept
-    taken = set(split) | set(heavy)
-    rest = [i for i in items if i not in taken]
-    for item in split:
-        item.add_marker(pytest.mark.xdist_group(item.nodeid))
-    for item in heavy + rest:
-        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    items[:] = heavy + split + rest
+    """The GPU suite's groups and queue order (tests/xdist_order.py); nothing without xdist's loadgroup."""
+    if config.getoption("loadgroup", default=False):
+        order_for_xdist(items)

@@ -5,11 +5,14 @@
         # compile ledger tests/conftest.py wrote there -> where the tests' time went to JAX compiles
     python3 benchmarks/h200/summary.py http REPORT.json...             # the HTTP A/B, one row per report
     python3 benchmarks/h200/summary.py bench TABLE.json HOST.json      # decode LoRA table, host time of a step
+    python3 benchmarks/h200/summary.py costs LOG "RUN" > tests/gpu_suite_costs.json
+        # each test's seconds in a suite log (tests of 1 s or more): tests/xdist_order.py queues the GPU suite by them
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import re
@@ -143,6 +146,13 @@ def print_compile(c: dict | None, ledger_dir: str) -> None:
     print("   fns: " + ", ".join(f"{f['fn'][:40]} {f['compiles']}x {f['s']:.0f} s" for f in c["top_fns"][:6]))
 
 
+def jax_version() -> str | None:
+    try:
+        return importlib.metadata.version("jax")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def suite(log_path: str, out_path: str, wall_s: str, rc: str, ledger_dir: str | None = None) -> None:
     text = Path(log_path).read_text(errors="replace").splitlines()
     final = next((m for line in reversed(text) if (m := FINAL.match(line.strip()))), None)
@@ -166,7 +176,10 @@ def suite(log_path: str, out_path: str, wall_s: str, rc: str, ledger_dir: str | 
               "git_commit": os.environ.get("SLORA_GIT_COMMIT", "unknown"), "workers": os.environ.get("WORKERS"),
               "exit_code": int(rc), "timed_out": int(rc) in (124, 137), "wall_s": float(wall_s),
               "pytest_s": float(final.group(2)) if final else None, "counts": counts, "failures": failures,
-              "slowest": durations[:25], "by_file": by_file(durations)[:20], "device": os.environ.get("GPU_NAME", "")}
+              "slowest": durations[:25], "by_file": by_file(durations)[:20], "device": os.environ.get("GPU_NAME", ""),
+              "jax_version": jax_version(),
+              "gpu_memory_peak_mib": int(os.environ["GPU_MEMORY_PEAK_MIB"]) if os.environ.get(
+                  "GPU_MEMORY_PEAK_MIB", "").isdigit() else None}
     ledger_dir = ledger_dir or os.environ.get("SLORA_TEST_COMPILE_LEDGER")
     if ledger_dir:
         try:
@@ -176,7 +189,7 @@ def suite(log_path: str, out_path: str, wall_s: str, rc: str, ledger_dir: str | 
     Path(out_path).write_text(json.dumps(report, indent=1))
     print(f"\n== GPU suite  {report['date'][:19]}Z  commit {report['git_commit'][:12]}  workers {report['workers']}")
     print(f"   exit {rc}{' (TIMED OUT: counts are partial)' if report['timed_out'] else ''}  wall {float(wall_s):.0f} s"
-          f"  pytest {report['pytest_s'] or float('nan'):.0f} s")
+          f"  pytest {report['pytest_s'] or float('nan'):.0f} s  GPU memory peak {report['gpu_memory_peak_mib']} MiB")
     print("   " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     for f in failures[:30]:
         print(f"   {f}")
@@ -194,6 +207,25 @@ def suite(log_path: str, out_path: str, wall_s: str, rc: str, ledger_dir: str | 
             except Exception as e:  # noqa: BLE001  (it is in the JSON; the table's last line must still come)
                 print(f"   compile ledger: not printed ({type(e).__name__}: {e})")
     print(f"   -> {out_path}")
+
+
+def costs(log_path: str, run: str) -> None:
+    """Seconds per test (setup, call and teardown summed) of one GPU suite log, for the suite's queue order
+    (tests/xdist_order.py). Tests under a second are summed per file instead (pytest does not list those under
+    5 ms at all)."""
+    text = Path(log_path).read_text(errors="replace").splitlines()
+    per: dict[str, float] = {}
+    for line in text:
+        if m := DURATION.match(line.strip()):
+            test = plain_id(m.group(3))
+            per[test] = per.get(test, 0.0) + float(m.group(1))
+    tests = {t: round(s, 1) for t, s in sorted(per.items()) if s >= 1.0}
+    rest: dict[str, list] = {}  # per file: [seconds, count] of its tests under a second
+    for t, s in per.items():
+        if s < 1.0:
+            r = rest.setdefault(t.split("::")[0], [0.0, 0])
+            r[0], r[1] = round(r[0] + s, 3), r[1] + 1
+    print(json.dumps({"run": run, "seconds": tests, "rest": dict(sorted(rest.items()))}, indent=0))
 
 
 def cell(v, spec: str) -> str:
@@ -277,6 +309,8 @@ def main() -> None:
         suite(*sys.argv[2:7])
     elif len(sys.argv) == 4 and sys.argv[1] == "bench":
         bench(*sys.argv[2:4])
+    elif len(sys.argv) == 4 and sys.argv[1] == "costs":
+        costs(sys.argv[2], sys.argv[3])
     elif len(sys.argv) >= 3 and sys.argv[1] == "http":
         http(sys.argv[2:])
     else:

@@ -1,0 +1,81 @@
+"""The GPU suite's work queue (`.ci/gpu-suite`: pytest-xdist ``--dist loadgroup``): which tests run together on one
+worker, and in what order the groups are handed out. A plain run (CI, no xdist) is left as collected.
+
+Groups: a test file is one group, so its module fixtures (warmed engines, servers) are built once; a test that uses
+no fixture wider than a function (session fixtures are built once per worker anyway) and took ``SOLO_S`` or more
+in the recorded run is a group of its own, so long single tests spread over the workers instead of queueing behind
+their file. Order: longest first (the classic longest-processing-time rule), by the seconds each test took in the
+recorded run (``gpu_suite_costs.json``, written by ``benchmarks/h200/summary.py costs``: the tests of a second or
+more by name, the rest as seconds per file, shared here among the file's tests not named; a file it does not know
+counts ``DEFAULT_S`` a test). xdist hands each worker its next group while the last two tests of the current one
+run, so a long group queued late would end the run alone: the queue's tail must be the short groups.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+COSTS = Path(__file__).with_name("gpu_suite_costs.json")
+SOLO_S = 5.0  # a test this long, needing no module fixture, is worth a group (and a worker's session setup) alone
+DEFAULT_S = 0.3  # a test of a file the recorded run did not have
+_SHARED_SCOPES = ("module", "class", "package")
+
+
+def recorded_seconds(items: list) -> dict[str, float]:
+    """Each test's seconds in the recorded run, estimated as above."""
+    try:
+        recorded = json.loads(COSTS.read_text())
+        named, rest = dict(recorded["seconds"]), dict(recorded["rest"])
+    except (OSError, ValueError, KeyError, TypeError):
+        named, rest = {}, {}
+    unnamed: dict[str, int] = {}
+    for item in items:
+        if item.nodeid not in named:
+            file = item.nodeid.split("::")[0]
+            unnamed[file] = unnamed.get(file, 0) + 1
+    out = {}
+    for item in items:
+        file = item.nodeid.split("::")[0]
+        if item.nodeid in named:
+            out[item.nodeid] = float(named[item.nodeid])
+        elif file in rest:
+            out[item.nodeid] = float(rest[file][0]) / unnamed[file]
+        elif not any(k.startswith(file + "::") for k in named):
+            out[item.nodeid] = DEFAULT_S
+        else:
+            out[item.nodeid] = 0.0  # a file whose every recorded test is named: a test new since then
+    return out
+
+
+def shares_fixtures(item) -> bool:
+    """Whether the test uses a fixture built once for its module, class or package (then it stays with its file)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return True
+    return any(getattr(d, "scope", "function") in _SHARED_SCOPES
+               for defs in info.name2fixturedefs.values() for d in defs)
+
+
+def groups(items: list, seconds: dict[str, float]) -> list[tuple[str, float, list]]:
+    """(group name, recorded seconds, its tests in collection order), longest first; ties keep collection order."""
+    out: dict[str, list] = {}
+    for item in items:
+        file = item.nodeid.split("::")[0]
+        cost = seconds.get(item.nodeid, 0.0)
+        solo = cost >= SOLO_S and not shares_fixtures(item)
+        out.setdefault(item.nodeid if solo else file, []).append(item)
+    costed = [(name, sum(seconds.get(i.nodeid, 0.0) for i in tests), tests) for name, tests in out.items()]
+    return sorted(costed, key=lambda g: -g[1])
+
+
+def order_for_xdist(items: list) -> None:
+    """Mark each test with its group and reorder ``items`` into the queue (xdist keeps it: tests/conftest.py turns
+    off its own reordering)."""
+    queue = groups(items, recorded_seconds(items))
+    items[:] = [item for _, _, tests in queue for item in tests]
+    for name, _, tests in queue:
+        for item in tests:
+            item.add_marker(pytest.mark.xdist_group(name))
