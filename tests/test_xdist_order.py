@@ -61,3 +61,21 @@ def test_the_recorded_run_names_tests_that_exist():
     root = Path(__file__).parent.parent
     files = {k.split("::")[0] for k in recorded["seconds"]}
     assert sum((root / f).exists() for f in files) >= 0.9 * len(files)
+
+
+def test_files_that_share_steps_run_as_one_group_in_their_order(costs):
+    costs({"tests/test_server.py::a": 9.0, "tests/test_server_load.py::b": 30.0}, {})
+    items = [_item("tests/test_server_load.py::b"), _item("tests/test_other.py::c"), _item("tests/test_server.py::a")]
+    queue = xdist_order.groups(items, xdist_order.recorded_seconds(items))
+    assert [(name, [i.nodeid for i in tests]) for name, _, tests in queue][0] == (
+        "tests/test_server.py", ["tests/test_server.py::a", "tests/test_server_load.py::b"])  # not alone: with its file
+
+
+def test_shared_steps_name_files_whose_engines_are_equal():
+    """The companions must still compile the same steps, else keeping them together only lengthens one worker."""
+    import test_logprobs
+    import test_penalties
+    assert test_logprobs.ECFG == test_penalties.ECFG
+    root = Path(__file__).parent.parent
+    for files in xdist_order.SHARED_STEPS:
+        assert all((root / f).exists() for f in files), files

@@ -1,14 +1,16 @@
 """The GPU suite's work queue (`.ci/gpu-suite`: pytest-xdist ``--dist loadgroup``): which tests run together on one
 worker, and in what order the groups are handed out. A plain run (CI, no xdist) is left as collected.
 
-Groups: a test file is one group, so its module fixtures (warmed engines, servers) are built once; a test that uses
-no fixture wider than a function (session fixtures are built once per worker anyway) and took ``SOLO_S`` or more
-in the recorded run is a group of its own, so long single tests spread over the workers instead of queueing behind
-their file. Order: longest first (the classic longest-processing-time rule), by the seconds each test took in the
-recorded run (``gpu_suite_costs.json``, written by ``benchmarks/h200/summary.py costs``: the tests of a second or
-more by name, the rest as seconds per file, shared here among the file's tests not named; a file it does not know
-counts ``DEFAULT_S`` a test). xdist hands each worker its next group while the last two tests of the current one
-run, so a long group queued late would end the run alone: the queue's tail must be the short groups.
+Groups: a test file is one group, so its module fixtures (warmed engines, servers) are built once (files whose
+engines compile the same steps share one: ``SHARED_STEPS``); a test that uses no fixture wider than a function
+(session fixtures are built once per worker anyway) and took ``SOLO_S`` or more in the recorded run is a group of
+its own, so long single tests spread over the workers instead of queueing behind their file.
+
+Order: longest first (the classic longest-processing-time rule), by the seconds each test took in the recorded run
+(``gpu_suite_costs.json``, written by ``benchmarks/h200/summary.py costs``: the tests of a second or more by name,
+the rest as seconds per file, shared here among the file's tests not named; a file it does not know counts
+``DEFAULT_S`` a test). xdist hands each worker its next group while the last two tests of the current one run, so a
+long group queued late would end the run alone: the queue's tail must be the short groups.
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ COSTS = Path(__file__).with_name("gpu_suite_costs.json")
 SOLO_S = 5.0  # a test this long, needing no module fixture, is worth a group (and a worker's session setup) alone
 DEFAULT_S = 0.3  # a test of a file the recorded run did not have
 _SHARED_SCOPES = ("module", "class", "package")
+# Files whose engines compile the same steps (equal shapes), kept on one worker in this order: the first compiles, the
+# rest take its steps from the run-wide compilation cache (tests/conftest.py). On different workers they compile at
+# the same time and both miss. Found with the compile ledger on the CPU box, files run in one process (session 12):
+# test_penalties took 8 of its 8 step compiles from test_logprobs' (the same ECFG, checked by
+# tests/test_xdist_order.py); test_server_load 7 of 10, test_adapter_mixes 4 of 11 and test_stream_handoff 2 of 2 from
+# test_server's (server_fixtures' default engine). On the H200 the penalties file's 6 steps took 117 compile-seconds.
+SHARED_STEPS = (("tests/test_logprobs.py", "tests/test_penalties.py"),
+                ("tests/test_server.py", "tests/test_server_load.py", "tests/test_adapter_mixes.py",
+                 "tests/test_stream_handoff.py"))
 
 
 def recorded_seconds(items: list) -> dict[str, float]:
@@ -61,12 +72,14 @@ def shares_fixtures(item) -> bool:
 
 def groups(items: list, seconds: dict[str, float]) -> list[tuple[str, float, list]]:
     """(group name, recorded seconds, its tests in collection order), longest first; ties keep collection order."""
+    together = {file: files[0] for files in SHARED_STEPS for file in files}
+    rank = {file: i for files in SHARED_STEPS for i, file in enumerate(files)}
     out: dict[str, list] = {}
-    for item in items:
+    for item in sorted(items, key=lambda i: rank.get(i.nodeid.split("::")[0], 0)):  # stable: a file's order kept
         file = item.nodeid.split("::")[0]
         cost = seconds.get(item.nodeid, 0.0)
-        solo = cost >= SOLO_S and not shares_fixtures(item)
-        out.setdefault(item.nodeid if solo else file, []).append(item)
+        solo = cost >= SOLO_S and not shares_fixtures(item) and file not in together
+        out.setdefault(item.nodeid if solo else together.get(file, file), []).append(item)
     costed = [(name, sum(seconds.get(i.nodeid, 0.0) for i in tests), tests) for name, tests in out.items()]
     return sorted(costed, key=lambda g: -g[1])
 
