@@ -66,6 +66,18 @@ _LEDGER_COMPILE = "/jax/core/compile/backend_compile_duration"
 _LEDGER_HIT = "/jax/compilation_cache/cache_hits"
 
 
+def _process_start() -> float | None:
+    """When this process started, epoch seconds (Linux: /proc), so the ledger shows a worker's start-up."""
+    try:
+        with open("/proc/stat") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+        with open("/proc/self/stat") as f:
+            ticks = float(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
+
+
 def _by_secs(fns: dict[str, list]) -> list[list]:
     """Every function compiled, as [name, compiles, seconds], costliest first."""
     return [[name, n, round(s, 4)] for name, (n, s) in sorted(fns.items(), key=lambda kv: -kv[1][1])]
@@ -96,6 +108,9 @@ class _CompileLedger:
         mods = (jax.numpy, jax.lax, jax.nn, jax.random)
         self._ops = {n for mod in mods for n in dir(mod) if not n.startswith("__")}
         self._ops |= {getattr(v, "name", "") for k, v in vars(jax.lax).items() if k.endswith("_p")}
+        self._write({"test": "<worker start>", "worker": self._worker, "process_start": _process_start(),
+                     "configured": self._time.time()})
+        self._started = None  # the running test's first hook, epoch seconds
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
         jax.monitoring.register_event_time_span_listener(self._on_span)
         jax.monitoring.register_event_listener(self._on_event)
@@ -174,6 +189,8 @@ class _CompileLedger:
                     self._flush_locked()  # a test whose logfinish never came
                 if self._test is not None and self._cur is not self._outside:
                     self._phases[self._test[1]] = self._close(self._cur)
+                if self._test is None:
+                    self._started = self._time.time()
                 self._test = (nodeid, when)
                 self._cur = self._bucket()
         except Exception:  # noqa: BLE001
@@ -190,7 +207,8 @@ class _CompileLedger:
                 f = fns.setdefault(name, [0, 0.0])
                 f[0] += n
                 f[1] += s
-        self._write({"test": self._test[0], "worker": self._worker, "phases": self._phases, "fns": _by_secs(fns)})
+        self._write({"test": self._test[0], "worker": self._worker, "phases": self._phases, "fns": _by_secs(fns),
+                     "start": self._started, "end": self._time.time()})
         self._test, self._phases, self._cur = None, {}, self._outside
 
     def _write(self, record: dict) -> None:

@@ -25,6 +25,7 @@ if [ "${COMPILE_LEDGER:-1}" != 0 ]; then
     echo "suite: compile ledger in $ledger"
 fi
 start=$(date +%s)
+export SUITE_START_EPOCH=$start  # the compile ledger's worker timeline counts from here
 # -v -v on top of gpu-suite's -q: one line per finished test, so a run cut by the limit still names its failures.
 # timeout signals the whole process group: pytest, its workers and the servers they started.
 # The GPU's memory in use, sampled twice a second: its peak says how many workers the card holds.

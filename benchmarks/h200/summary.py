@@ -55,6 +55,34 @@ LEDGER_SUMS = ("compiles", "compile_s", "eager_n", "eager_s", "trace_n", "trace_
 LEDGER_COUNTS = ("compiles", "eager_n", "trace_n", "lower_n", "cache_hits")
 
 
+def worker_timeline(records: list[dict]) -> dict | None:
+    """Seconds after the suite's start ($SUITE_START_EPOCH, else the first worker's start) at which the workers'
+    processes started, their first tests began and their last tests ended, as [earliest, latest] over workers:
+    the start-up and the tail that no test's duration shows."""
+    per: dict[str, dict] = {}
+    for r in records:
+        w = per.setdefault(r.get("worker", "?"), {"spawn": None, "first": None, "last": None})
+        if r.get("test") == "<worker start>":
+            w["spawn"] = r.get("process_start") or r.get("configured")
+        elif r.get("start") is not None:
+            w["first"] = r["start"] if w["first"] is None else min(w["first"], r["start"])
+            w["last"] = r["end"] if w["last"] is None else max(w["last"], r["end"])
+    if any(name.startswith("gw") for name in per):  # xdist: the controller ("main") runs no test
+        per.pop("main", None)
+    spawns = [w["spawn"] for w in per.values() if w["spawn"]]
+    env = os.environ.get("SUITE_START_EPOCH", "")
+    zero = float(env) if env.replace(".", "", 1).isdigit() else (min(spawns) if spawns else None)
+    if zero is None:
+        return None
+
+    def span(key: str) -> list | None:
+        vals = [w[key] - zero for w in per.values() if w[key]]
+        return [round(min(vals), 1), round(max(vals), 1)] if vals else None
+
+    return {"workers": len(per), "from": "SUITE_START_EPOCH" if env else "first worker start",
+            "spawned_s": span("spawn"), "first_test_s": span("first"), "last_end_s": span("last")}
+
+
 def compile_ledger(ledger_dir: str, durations: list[dict], files: list[dict]) -> dict | None:
     """The compile ledger (one JSON line per test and pytest process, tests/conftest.py) summed: the suite's compile
     seconds and count by phase, the 25 tests with the most compile seconds beside their ``--durations`` wall time,
@@ -71,6 +99,8 @@ def compile_ledger(ledger_dir: str, durations: list[dict], files: list[dict]) ->
                 records.append(json.loads(line))
             except ValueError:  # a line cut when a worker was killed
                 bad += 1
+    timeline = worker_timeline(records)
+    records = [r for r in records if r.get("test") != "<worker start>"]
     zero = {k: 0 if k in LEDGER_COUNTS else 0.0 for k in LEDGER_SUMS}
     phases: dict[str, dict] = {}
     tests: dict[str, dict] = {}
@@ -122,7 +152,7 @@ def compile_ledger(ledger_dir: str, durations: list[dict], files: list[dict]) ->
                                                                           "busy_s", "cpu_s")}}) for f in files[:20]]
     return {"ledger_dir": ledger_dir, "files": len(paths), "records": len(records), "bad_lines": bad,
             "tests": len(tests), "durations_s": round(sum(d["s"] for d in durations), 2), "total": total,
-            "by_phase": by_phase, "top_tests": top, "by_file": file_rows,
+            "by_phase": by_phase, "top_tests": top, "by_file": file_rows, "timeline": timeline,
             "top_fns": [{"fn": name, "compiles": n, "s": round(secs, 2), "tests": nt}
                         for name, (n, secs, nt) in sorted(fns.items(), key=lambda kv: -kv[1][1])[:25]]}
 
@@ -143,6 +173,9 @@ def print_compile(c: dict | None, ledger_dir: str) -> None:
               f"eager)  {r['test'][:120]}")
     print("   files compile/s: " + ", ".join(f"{f['file'].rsplit('/', 1)[-1]} {f['compile_s']:.0f}/{f['s']:.0f}"
                                              for f in c["by_file"][:7]))
+    if tl := c.get("timeline"):
+        print(f"   workers ({tl['workers']}, s after {tl['from']}): spawned {tl['spawned_s']}, first test "
+              f"{tl['first_test_s']}, last test ended {tl['last_end_s']}")
     print("   fns: " + ", ".join(f"{f['fn'][:40]} {f['compiles']}x {f['s']:.0f} s" for f in c["top_fns"][:6]))
 
 
