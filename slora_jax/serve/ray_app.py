@@ -71,7 +71,9 @@ class SloraReplica:
         from .cli import build_engine
         from .engine_thread import EngineThread
 
-        engine, config, tokenizer = build_engine(args)
+        # a replica whatever flags built it: no host fill unless asked (cli.host_fill), so a replica reads only the
+        # adapters routed to it (``build_app`` may be given a server's flags without --ray, as the tests do)
+        engine, config, tokenizer = build_engine(argparse.Namespace(**{**vars(args), "ray": True}))
         self.engine = engine
         self.engine_thread = EngineThread(engine).start()
         self.app = create_app(self.engine_thread, config, tokenizer=tokenizer)
