@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from common import git_commit  # run as python benchmarks/engine_profile.py: benchmarks/ is on the path
-from http_serving import SAT_RATE, WARM_ADAPTERS, make_spec_trace, prepare_preset, trace_spec
+from http_serving import ADAPTER_SETS, SAT_RATE, WARM_ADAPTERS, make_spec_trace, prepare_preset, trace_spec
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -429,7 +429,7 @@ def parse_args(argv=None):
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/slora-http-bench"))
     ap.add_argument("--n-adapters", type=int, default=None, help="adapters written and in the trace (2000; --tiny 32)")
     ap.add_argument("--distinct-adapters", type=int, default=None, help="distinct weight files (20; --tiny 8)")
-    ap.add_argument("--adapter-rank", type=int, default=8)
+    ap.add_argument("--adapter-set", default="S1", choices=sorted(ADAPTER_SETS), help="as http_serving.py's")
     ap.add_argument("--requests", type=int, default=None, help="requests of the saturation trace (800; --tiny 48)")
     ap.add_argument("--in-range", default=None, help="prompt tokens lo,hi (8,512; --tiny 8,64)")
     ap.add_argument("--out-range", default=None, help="output tokens lo,hi (8,512; --tiny 8,64)")
@@ -512,7 +512,7 @@ def main(argv=None) -> int:
     args, server_args = parse_args(argv)
     t_start = time.monotonic()
     model_dir, adapter_dir, prepared = prepare_preset(args.preset, args.work_dir, args.n_adapters,
-                                                      args.distinct_adapters, args.adapter_rank)
+                                                      args.distinct_adapters, *ADAPTER_SETS[args.adapter_set])
     server_args = ["--model", str(model_dir), "--adapter-dir", str(adapter_dir), *server_args]
     # benchmarks/ off the path, as for the server: transformers probes for a package named 'kernels' and would run
     # benchmarks/kernels.py
@@ -547,7 +547,8 @@ def main(argv=None) -> int:
     t = time.monotonic()
     serving.run_trace(engine, "warm", make_spec_trace(warm), names[-WARM_ADAPTERS:], vocab, budget_end)
     report["warm_s"] = time.monotonic() - t
-    sat = trace_spec(f"S1-n{len(names)}-sat", len(names), SAT_RATE, args.requests, 0, args.in_range, args.out_range)
+    sat = trace_spec(f"{args.adapter_set}-n{len(names)}-sat", len(names), SAT_RATE, args.requests, 0, args.in_range,
+                     args.out_range)
     report["trace_spec"] = sat
     save()
     def run_sat(probes):

@@ -92,18 +92,34 @@ def ensure_tokenizer(model: Path) -> bool:
     return True
 
 
-def prepare_preset(preset: str, work: Path, n_adapters: int, distinct: int, rank: int) -> tuple[Path, Path, dict]:
-    """A random model dir (bf16 safetensors shards and a tokenizer) and ``n_adapters`` PEFT dirs (rank ``rank``,
-    q,k,v,o) under ``work``, written by the synth tool and reused when present: only ``distinct`` weight files are
-    written, the other dirs hard-link them (2000 distinct 7B rank-8 files would be 34 GB), and the server still reads,
-    checks, converts and loads every adapter by its own name. Returns the dirs and the seconds each write took."""
+ADAPTER_SETS = {  # --adapter-set: S-LoRA's settings (ranks round-robin, targets)
+    "S1": ("8", "q_proj,k_proj,v_proj,o_proj"),
+    "S2": ("64,32,16,8", "q_proj,k_proj,v_proj,o_proj"),
+    "all7": ("8", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"),
+}
+
+
+def prepare_preset(preset: str, work: Path, n_adapters: int, distinct: int, ranks: str = "8",
+                   targets: str = ADAPTER_SETS["S1"][1]) -> tuple[Path, Path, dict]:
+    """A random model dir (bf16 safetensors shards and a tokenizer) and ``n_adapters`` PEFT dirs (``ranks`` taken
+    round-robin, LoRA on ``targets``) under ``work``, written by the synth tool and reused when present: only
+    ``distinct`` weight files are written, the other dirs hard-link them (2000 distinct 7B rank-8 files would be
+    34 GB), and the server still reads, checks, converts and loads every adapter by its own name. ``distinct`` is
+    rounded up to a multiple of the ranks' count, so a linked dir has the rank its name's turn gives. Returns the
+    dirs and the seconds each write took."""
     work.mkdir(parents=True, exist_ok=True)
-    model, adapters = work / f"model-{preset}", work / f"adapters-{preset}-r{rank}-n{n_adapters}-k{distinct}"
+    n_ranks = len(ranks.split(","))
+    distinct = -(-distinct // n_ranks) * n_ranks
+    kind = "" if targets == ADAPTER_SETS["S1"][1] else "-all7" if targets == ADAPTER_SETS["all7"][1] else \
+        "-" + targets.replace("_proj", "").replace(",", "")
+    model = work / f"model-{preset}"
+    adapters = work / f"adapters-{preset}-r{ranks.replace(',', '_')}{kind}-n{n_adapters}-k{distinct}"
     times = {}
     for path, key, args in (
             (model, "write_model_s", ("model", "--preset", preset, "--dtype", "bfloat16")),
             (adapters, "write_adapters_s", ("adapters", "--model", str(model), "-n", str(n_adapters), "--ranks",
-                                            str(rank), "--distinct", str(distinct), "--dtype", "bfloat16"))):
+                                            ranks, "--targets", targets, "--distinct", str(distinct),
+                                            "--dtype", "bfloat16"))):
         if not path.exists():
             t = time.monotonic()
             tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=work))  # renamed when whole
@@ -188,7 +204,9 @@ def parse_args(argv=None):
     ap.add_argument("--n-adapters", type=int, default=None, help="adapters in the trace (default: all served; "
                     "with --preset: 2000)")
     ap.add_argument("--distinct-adapters", type=int, default=20, help="--preset: distinct adapter weight files")
-    ap.add_argument("--adapter-rank", type=int, default=8, help="--preset: rank of the adapters (S1: 8)")
+    ap.add_argument("--adapter-set", default="S1", choices=sorted(ADAPTER_SETS),
+                    help="--preset: the adapters' ranks and targets (S1: rank 8 q,k,v,o; S2: ranks 64,32,16,8 "
+                         "round-robin, q,k,v,o; all7: rank 8 on all 7 projections)")
     ap.add_argument("--rates", default="sat,x0.7", help="traces: sat, a rate in req/s, or xF = F times saturation")
     ap.add_argument("--requests", type=int, default=None, help="requests of a saturation trace (800; --tiny 48)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals of a set-rate trace (30)")
@@ -260,9 +278,9 @@ def spec_for(token: str, sat: float | None, n: int, args) -> dict | None:
     if rate is None:
         return None
     if token == "sat":
-        return trace_spec(f"S1-n{n}-sat", n, rate, args.requests, 0, args.in_range, args.out_range)
-    return trace_spec(f"S1-n{n}-R{rate:.2f}", n, rate, max(int(rate * args.duration), 20), 99, args.in_range,
-                      args.out_range)
+        return trace_spec(f"{args.adapter_set}-n{n}-sat", n, rate, args.requests, 0, args.in_range, args.out_range)
+    return trace_spec(f"{args.adapter_set}-n{n}-R{rate:.2f}", n, rate, max(int(rate * args.duration), 20), 99,
+                      args.in_range, args.out_range)
 
 
 def resolve_inputs(args, srv, server_args: list[str], info: dict, report: dict) -> tuple[Path, list[Path]]:
@@ -272,7 +290,8 @@ def resolve_inputs(args, srv, server_args: list[str], info: dict, report: dict) 
     if args.preset:
         t = time.monotonic()
         model_dir, adapters, report["prepare"] = prepare_preset(args.preset, args.work_dir, args.n_adapters or 2000,
-                                                                args.distinct_adapters, args.adapter_rank)
+                                                                args.distinct_adapters, *ADAPTER_SETS[args.adapter_set])
+        report["adapter_set"] = args.adapter_set
         adapter_dirs.append(adapters)
         server_args += ["--model", str(model_dir), "--adapter-dir", str(adapters)]
         report["prepare_s"] = time.monotonic() - t

@@ -152,3 +152,17 @@ def test_httpx_and_openai_clients_read_a_stream_alike(error):
         assert rec["tokens"] == rec["usage"] == max_tokens and rec["finish"] == "length"
     assert sum(k for _, k in ours["gaps"]) == sum(k for _, k in theirs["gaps"]) == max_tokens - len(
         json.loads(payload.split(b"\n\n")[0][6:])["choices"][0]["token_ids"])
+
+
+@pytest.mark.parametrize("adapter_set", ["S2", "all7"])
+def test_prepared_adapter_sets_have_s_loras_ranks_and_targets(tmp_path, adapter_set):
+    """--adapter-set writes PEFT dirs with S-LoRA's ranks round-robin and targets, also in the hard-linked dirs
+    (``distinct`` rounded up to a multiple of the ranks' count, so each dir has its turn's rank)."""
+    ranks, targets = http_serving.ADAPTER_SETS[adapter_set]
+    _, adapters, _ = http_serving.prepare_preset("tiny", tmp_path, 10, 3, ranks, targets)
+    want_ranks = [int(r) for r in ranks.split(",")]
+    assert adapters.name.endswith(f"-n10-k{-(-3 // len(want_ranks)) * len(want_ranks)}")
+    for i in range(10):
+        config = json.loads((adapters / f"adapter-{i:04d}" / "adapter_config.json").read_text())
+        assert config["r"] == want_ranks[i % len(want_ranks)], i
+        assert sorted(config["target_modules"]) == sorted(targets.split(","))

@@ -22,6 +22,8 @@
 #       in-process run then starts only with >= 100 s left, else it is skipped (JSON: "budget"): aiperf goes first.
 #       aiperf not installable or not importing there: said, and the call goes on without it.
 #       AIPERF_PYTHON=PATH: a Python that has aiperf (no install; e.g. a venv on a dev box).
+#   ADAPTER_SET=S2 (or all7) bash benchmarks/h200/call_http.sh ep   # S-LoRA's S2 adapters (ranks 64,32,16,8) or
+#       rank 8 on all 7 projections instead of S1 (written first: ~1-2 min more); the report's name ends _S2 / _all7
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 # shellcheck source=benchmarks/h200/setup.sh
@@ -63,12 +65,12 @@ print(''.join('y' for p in glob.glob(sys.argv[1] + '/reports/*.json') if json.lo
     budget=$((L - 40)); reserve=0
     [ -n "$inproc" ] && reserve=130
     if [ "$budget" -lt 120 ]; then echo "== $mode: skipped, only $L s left in this call"; continue; fi
-    report=$OUT/${DATE}_http_serving_h200_$name.json
+    report=$OUT/${DATE}_http_serving_h200_$name${ADAPTER_SET:+_$ADAPTER_SET}.json
     rm -f "$WORK/in_process.log" "$WORK/server.log"
     echo "== $mode: budget $budget s, reserve $reserve s, in-process '${inproc}', aiperf \
 '$([ -n "${AIPERF_PY:-}" ] && echo sat)', $(nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null || echo '?') in use"
     timeout -k 15 $((L - 15)) python3 benchmarks/http_serving.py --preset "$PRESET" --n-adapters "${N_ADAPTERS:-2000}" \
-        --distinct-adapters 20 --work-dir "$WORK" --rates "${RATES:-sat,x0.7}" --in-process-rates "$inproc" \
+        --distinct-adapters 20 --adapter-set "${ADAPTER_SET:-S1}" --work-dir "$WORK" --rates "${RATES:-sat,x0.7}" --in-process-rates "$inproc" \
         --budget-s "$budget" --reserve-s "$reserve" --in-process-min-s 100 --out "$report" "${flag[@]}" "${extra[@]}" \
         >"$OUT/http_$mode.log" 2>&1
     rc=$?

@@ -37,8 +37,8 @@ prepare_model() {
     timeout -k 10 150 python3 -c "
 import sys; sys.path.insert(0, 'benchmarks')
 from pathlib import Path
-from http_serving import prepare_preset
-print(prepare_preset('$PRESET', Path('$WORK'), ${N_ADAPTERS:-2000}, 20, 8))"
+from http_serving import ADAPTER_SETS, prepare_preset
+print(prepare_preset('$PRESET', Path('$WORK'), ${N_ADAPTERS:-2000}, 20, *ADAPTER_SETS['${ADAPTER_SET:-S1}']))"
 }
 
 # AIPERF=1 (call_http.sh): NVIDIA aiperf's wheels (.whl/aiperf, `wheels.sh --aiperf`) into a site of its own and a
