@@ -7,6 +7,8 @@ runs it (compiled ahead on threads, persistent cache on): cold, then again from 
 
     PYTHONPATH=. python benchmarks/compile_time.py --preset llama-2-7b --out results.json
     PYTHONPATH=. python benchmarks/compile_time.py --preset tiny --variants baseline --buckets prefill:32 --warmup
+    PYTHONPATH=. python benchmarks/compile_time.py --preset tiny --engine suite --buckets prefill:64,decode:8:all \
+        --variants suite,suite-no-triton-gemm,suite-cheap-llvm        # the GPU suite's step compiles
 
 A flag this XLA does not know ends its process with an error; the report keeps its return code and log tail.
 """
@@ -36,6 +38,11 @@ VARIANTS = {  # name -> XLA flags added to the environment's
     "slop-400": "--xla_gpu_memory_limit_slop_factor=400",
     "no-lhs": "--xla_gpu_enable_latency_hiding_scheduler=false",
     "autotune-0": "--xla_gpu_autotune_level=0",
+    # the GPU suite's setting, then without XLA's Triton GEMM fusions (dots to cuBLAS: no Triton kernel compiled per
+    # dot) and with LLVM's expensive passes off: which shortens a tiny test engine's step compile (session 12)
+    "suite": "--xla_gpu_autotune_level=0",
+    "suite-no-triton-gemm": "--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false",
+    "suite-cheap-llvm": "--xla_gpu_autotune_level=0 --xla_llvm_disable_expensive_passes=true",
 }
 DEFAULT_BUCKETS = "prefill:2048,decode:256:all,decode:16:attn"
 EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
@@ -44,8 +51,10 @@ EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
 PASS_LINE = re.compile(r"HLO pass:? (?P<name>.+?) time: .*?\((?P<us>\d+) us\)")
 
 
-def engine_for(preset: str):
-    """The server's defaults on this platform (batch 256 on a GPU, decode LoRA variants, pool from free memory)."""
+def engine_for(preset: str, kind: str = "server"):
+    """``server``: the server's defaults on this platform (batch 256 on a GPU, decode LoRA variants, pool from free
+    memory). ``suite``: an engine as the test suite builds them (tests/test_prefix_cache.py's: float32, reference
+    LoRA path, batch 8, 96 pages of 4 tokens, matmuls at full precision as tests/conftest.py asks on a GPU)."""
     import jax
     import jax.numpy as jnp
     from serving import random_params
@@ -56,6 +65,12 @@ def engine_for(preset: str):
     from slora_jax.tools.synth import preset_config
 
     cfg = ModelConfig.from_dict(preset_config(preset))
+    if kind == "suite":
+        jax.config.update("jax_default_matmul_precision", "highest")
+        ecfg = EngineConfig(max_batch_size=8, max_prefill_tokens=64, max_prefill_seqs=2, max_model_len=64,
+                            page_size=4, max_lora_rank=32, max_loras=3, num_pages=96, dtype="float32",
+                            backend="reference", decode_lora_variants=False)
+        return Engine(cfg, random_params(cfg, jnp.float32), ecfg)
     on_gpu = jax.default_backend() == "gpu"
     max_len = min(cfg.max_position_embeddings, 2048)
     ecfg = EngineConfig(max_batch_size=256 if on_gpu else 8, max_model_len=max_len, max_prefill_tokens=max_len,
@@ -79,7 +94,7 @@ def child(args) -> dict:
         lambda event, secs, **kw: phases.__setitem__(EVENTS[event], phases.get(EVENTS[event], 0.0) + secs)
         if event in EVENTS else None)
     t = time.monotonic()
-    engine = engine_for(args.preset)
+    engine = engine_for(args.preset, args.engine)
     runner, pool = engine.runner, engine.pool
     out = {"setup_s": time.monotonic() - t, "pool_gib": pool.array.nbytes / 2**30, "steps": []}
     if args.child == "warmup":  # as the server starts: the persistent cache on, compile threads by its rule
@@ -123,7 +138,8 @@ def run_child(args, name: str, flags: str, vmodule: bool) -> dict:
     if vmodule:
         env.update(TF_CPP_VMODULE="hlo_pass_pipeline=1", TF_CPP_MIN_LOG_LEVEL="0")
     cmd = [sys.executable, __file__, "--child", "warmup" if name.startswith("warmup") else "buckets", "--preset",
-           args.preset, "--buckets", args.buckets, "--runs", str(args.runs), "--cache-dir", args.cache_dir]
+           args.preset, "--engine", args.engine, "--buckets", args.buckets, "--runs", str(args.runs),
+           "--cache-dir", args.cache_dir]
     t = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout_s)
     result = {"flags": flags, "rc": proc.returncode, "wall_s": time.monotonic() - t}
@@ -149,6 +165,8 @@ def run_child(args, name: str, flags: str, vmodule: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-2-7b")
+    ap.add_argument("--engine", default="server", choices=["server", "suite"],
+                    help="the server's default engine, or one as the tests build (use with --preset tiny)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
     ap.add_argument("--buckets", default=DEFAULT_BUCKETS, help="KIND:N[:LORA],... (decode variants none/attn/all)")
     ap.add_argument("--runs", type=int, default=5, help="executions of each compiled step (the median is kept)")
@@ -170,9 +188,10 @@ def main() -> None:
         device = ""
     report = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "device": device or "cpu",
               "jax_version": importlib.metadata.version("jax"), "git_commit": git_commit(), "preset": args.preset,
+              "engine": args.engine,
               "cpu_count": os.cpu_count(), "env_xla_flags": os.environ.get("XLA_FLAGS", ""), "variants": {}}
     for name in args.variants.split(","):
-        report["variants"][name] = run_child(args, name, VARIANTS[name], vmodule=name == "baseline")
+        report["variants"][name] = run_child(args, name, VARIANTS[name], vmodule=name in ("baseline", "suite"))
         print(json.dumps({name: {k: v for k, v in report["variants"][name].items()
                                  if k not in ("pass_line_examples", "log_tail")}}), flush=True)
         if args.out:
