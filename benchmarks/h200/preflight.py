@@ -118,6 +118,17 @@ def met(req, versions: dict[str, str]) -> tuple[bool, str]:
     return (True, "image") if name in IMAGE else (False, "NOWHERE")
 
 
+def import_failures(modules: list[str]) -> list[str]:
+    """"module: error" for each of ``modules`` that does not import (any exception is the finding)."""
+    failed = []
+    for mod in modules:
+        try:
+            importlib.import_module(mod)
+        except Exception as e:  # noqa: BLE001 - any failure to import is the finding
+            failed.append(f"{mod}: {type(e).__name__}: {e}"[:200])
+    return failed
+
+
 def check_aiperf_wheels(whl: Path) -> int:
     """Here: every requirement of aiperf and of its carried wheels is carried (there or in .whl/, whose site is on
     aiperf's path after its own), named by the image, or one ``aiperf profile`` does not import."""
@@ -163,12 +174,7 @@ def check_aiperf(site: Path) -> int:
         rows.append((name in where, f"{name} {have}"))
         if not req.specifier.contains(Version(have), prereleases=True):
             off.append(f"{req} (has {have})")
-    failed = []
-    for mod in AIPERF_IMPORTS:
-        try:
-            importlib.import_module(mod)
-        except Exception as e:  # noqa: BLE001 - any failure to import is the finding
-            failed.append(f"{mod}: {type(e).__name__}: {e}"[:200])
+    failed = import_failures(AIPERF_IMPORTS)
     print(f"preflight: aiperf {md.version('aiperf')}: {sum(own for own, _ in rows)} of its requirements from its "
           "site; from the server's site or the image: " + ", ".join(r for own, r in rows if not own))
     if off:
@@ -220,12 +226,7 @@ def check_site(site: Path, floor_dir: Path, install: bool) -> int:
         # again in a fresh process: this one has read the old versions' metadata and maybe imported them
         return subprocess.run([sys.executable, __file__, "--site", str(site), "--floor", str(floor_dir),
                                "--no-install"]).returncode
-    failed_imports = []
-    for mod in IMPORTS:
-        try:
-            importlib.import_module(mod)
-        except Exception as e:  # noqa: BLE001 - any failure to import is the finding
-            failed_imports.append(f"{mod}: {type(e).__name__}: {e}"[:200])
+    failed_imports = import_failures(IMPORTS)
     where = {canonicalize_name(d.metadata["Name"]) for d in md.distributions(path=[str(site)])}
     print("preflight: " + ", ".join(f"{n} {v[0]}{'*' if n in where else ''}" for n, v in sorted(rows.items()))
           + "   (* = carried)")
