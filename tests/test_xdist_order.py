@@ -28,7 +28,7 @@ def costs(tmp_path, monkeypatch):
 
 def test_long_tests_without_module_fixtures_go_alone_and_the_longest_group_goes_first(costs):
     costs({"a.py::shared_long": 40.0, "a.py::alone_long": 30.0, "b.py::alone_long": 90.0, "c.py::x": 2.0},
-          {"a.py": [3.0, 3], "c.py": [0.6, 2]})
+          {"a.py": 3.0, "c.py": 0.6})
     items = [_item("a.py::shared_long", "module", "session"), _item("a.py::alone_long", "session", "function"),
              _item("a.py::quick1"), _item("a.py::quick2"), _item("a.py::quick3"),
              _item("b.py::alone_long"), _item("c.py::x", "class"), _item("c.py::y"), _item("d.py::new")]

@@ -53,7 +53,7 @@ def recorded_seconds(items: list) -> dict[str, float]:
         if item.nodeid in named:
             out[item.nodeid] = float(named[item.nodeid])
         elif file in rest:
-            out[item.nodeid] = float(rest[file][0]) / unnamed[file]
+            out[item.nodeid] = float(rest[file]) / unnamed[file]
         elif not any(k.startswith(file + "::") for k in named):
             out[item.nodeid] = DEFAULT_S
         else:

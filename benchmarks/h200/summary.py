@@ -38,9 +38,16 @@ def by_file(durations: list[dict]) -> list[dict]:
     return sorted(out, key=lambda f: -f["s"])
 
 
+def read_durations(lines: list[str]) -> list[dict]:
+    """``--durations`` lines of a pytest log: seconds, phase and test id (as xdist reports it), slowest first."""
+    return [{"s": float(m.group(1)), "when": m.group(2), "test": m.group(3)}
+            for line in lines if (m := DURATION.match(line.strip()))]
+
+
 def plain_id(test: str) -> str:
     """A test's id without the "@group" suffix xdist's loadgroup puts in its reports (tests/conftest.py makes the
-    group a test's file, or the test itself for the kernel files); the ledger writes ids without it."""
+    group a test's file, a file it shares with others, or the test itself: tests/xdist_order.py); the ledger writes
+    ids without it."""
     file = test.split("::")[0]
     if test.endswith("@" + file):
         return test[: -len(file) - 1]
@@ -203,8 +210,7 @@ def suite(log_path: str, out_path: str, wall_s: str, rc: str, ledger_dir: str | 
     if not final:
         failures = sorted({m.group(0) for line in text if line.startswith("[gw") and RESULT.search(line)
                            and (m := re.search(r"(FAILED|ERROR) \S+", line))})
-    durations = [{"s": float(m.group(1)), "when": m.group(2), "test": m.group(3)}
-                 for line in text if (m := DURATION.match(line.strip()))]
+    durations = read_durations(text)
     report = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "what": "GPU suite (.ci/gpu-suite)",
               "git_commit": os.environ.get("SLORA_GIT_COMMIT", "unknown"), "workers": os.environ.get("WORKERS"),
               "exit_code": int(rc), "timed_out": int(rc) in (124, 137), "wall_s": float(wall_s),
@@ -246,19 +252,16 @@ def costs(log_path: str, run: str) -> None:
     """Seconds per test (setup, call and teardown summed) of one GPU suite log, for the suite's queue order
     (tests/xdist_order.py). Tests under a second are summed per file instead (pytest does not list those under
     5 ms at all)."""
-    text = Path(log_path).read_text(errors="replace").splitlines()
     per: dict[str, float] = {}
-    for line in text:
-        if m := DURATION.match(line.strip()):
-            test = plain_id(m.group(3))
-            per[test] = per.get(test, 0.0) + float(m.group(1))
+    for d in read_durations(Path(log_path).read_text(errors="replace").splitlines()):
+        test = plain_id(d["test"])
+        per[test] = per.get(test, 0.0) + d["s"]
     tests = {t: round(s, 1) for t, s in sorted(per.items()) if s >= 1.0}
-    rest: dict[str, list] = {}  # per file: [seconds, count] of its tests under a second
-    for t, s in per.items():
+    rest: dict[str, float] = {}  # per file: seconds of its tests under a second
+    for t, s in sorted(per.items()):
         if s < 1.0:
-            r = rest.setdefault(t.split("::")[0], [0.0, 0])
-            r[0], r[1] = round(r[0] + s, 3), r[1] + 1
-    print(json.dumps({"run": run, "seconds": tests, "rest": dict(sorted(rest.items()))}, indent=0))
+            rest[t.split("::")[0]] = round(rest.get(t.split("::")[0], 0.0) + s, 3)
+    print(json.dumps({"run": run, "seconds": tests, "rest": rest}, indent=0))
 
 
 def cell(v, spec: str) -> str:
