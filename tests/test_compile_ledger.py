@@ -1,4 +1,4 @@
-"""The opt-in compile ledger (tests/conftest.py, SLORA_TEST_COMPILE_LEDGER) and its sums in benchmarks/h200/summary.py:
+"""The opt-in compile ledger (tests/compile_ledger.py) and its sums in benchmarks/h200/summary.py:
 the GPU suite runs it once per session with no chance to fix it, so a child pytest on this machine proves the whole
 path: a compile in a fixture lands in setup, one in the test body in call, an eager jnp op counts as eager."""
 

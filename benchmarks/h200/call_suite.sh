@@ -7,7 +7,7 @@
 # the 25 slowest tests, the 20 longest files, the GPU memory's peak, and "compile": the compile ledger's sums, below;
 # gpu_memory_mib.txt, the samples); the table at the end
 # is what the lead records in benchmarks/NOTES.md.
-# The compile ledger (tests/conftest.py): every worker writes one JSON line per test, its JAX compiles' count and
+# The compile ledger (tests/compile_ledger.py): every worker writes one JSON line per test, its JAX compiles' count and
 # seconds by phase, to a dir under /tmp that summary.py sums into the JSON (the dir itself is not copied to $OUT).
 # COMPILE_LEDGER=0 turns it off.
 set -uo pipefail

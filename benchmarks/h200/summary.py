@@ -2,7 +2,7 @@
 
     python3 benchmarks/h200/summary.py suite LOG OUT_JSON WALL_S RC [LEDGER_DIR]
         # the GPU suite's log -> counts, failures, slowest; with LEDGER_DIR (or $SLORA_TEST_COMPILE_LEDGER), the
-        # compile ledger tests/conftest.py wrote there -> where the tests' time went to JAX compiles
+        # compile ledger tests/compile_ledger.py wrote there -> where the tests' time went to JAX compiles
     python3 benchmarks/h200/summary.py http REPORT.json...             # the HTTP A/B, one row per report
     python3 benchmarks/h200/summary.py bench TABLE.json HOST.json      # decode LoRA table, host time of a step
     python3 benchmarks/h200/summary.py costs LOG "RUN" > tests/gpu_suite_costs.json
@@ -91,7 +91,7 @@ def worker_timeline(records: list[dict]) -> dict | None:
 
 
 def compile_ledger(ledger_dir: str, durations: list[dict], files: list[dict]) -> dict | None:
-    """The compile ledger (one JSON line per test and pytest process, tests/conftest.py) summed: the suite's compile
+    """The compile ledger (a JSON line per test and pytest process, tests/compile_ledger.py) summed: the suite's compile
     seconds and count by phase, the 25 tests with the most compile seconds beside their ``--durations`` wall time,
     compile seconds of the longest files, and the functions that took the most. ``compile_s`` is the backend
     compile (XLA, Triton, ptxas) summed over threads; ``busy_s`` the wall time with at least one compile running;
