@@ -91,20 +91,23 @@ def check_peft_dir(path: str | Path, model: ModelConfig, name: str, max_rank: in
     return rejecting(name, check)
 
 
-def _load(path: Path, model: ModelConfig, name: str, max_rank: int | None, roots: tuple[Path, ...]) -> LoraAdapter:
+def _load(path: Path, model: ModelConfig, name: str, max_rank: int | None, roots: tuple[Path, ...],
+          keep_bf16: bool) -> LoraAdapter:
     ranks, scales = _config_rules(path, model, name, max_rank, roots)
-    weights = read_lora_weights(path, name, model, ranks, roots)
+    weights = read_lora_weights(path, name, model, ranks, roots, keep_bf16)
     modules = {pair: LoraModule(a=a, b=b, scale=scales[pair]) for pair, (a, b) in weights.items()}
     return LoraAdapter(name=name, modules=modules)
 
 
 def load_peft_adapter(path: str | Path, model: ModelConfig, name: str | None = None,
-                      max_rank: int | None = None, roots: tuple[Path, ...] = ()) -> LoraAdapter:
-    """Read, validate and convert a PEFT LoRA dir into a :class:`LoraAdapter` (float32 numpy weights).
+                      max_rank: int | None = None, roots: tuple[Path, ...] = (), keep_bf16: bool = False,
+                      ) -> LoraAdapter:
+    """Read, validate and convert a PEFT LoRA dir into a :class:`LoraAdapter` (float32 numpy weights; with
+    ``keep_bf16``, BF16 tensors stay bfloat16, for a bfloat16 pool).
 
     ``roots``: the directories the files must really be in (runtime loads); :class:`AdapterNotAllowed` otherwise.
     Any failure is an :class:`AdapterError` whose traceback holds none of the weights read so far.
     """
     path = Path(path)
     name = name or path.name
-    return rejecting(name, _load, path, model, name, max_rank, tuple(roots))
+    return rejecting(name, _load, path, model, name, max_rank, tuple(roots), keep_bf16)

@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so BF16 adapters read as numpy arrays)
+import ml_dtypes  # also registers bfloat16 with numpy, so BF16 adapters read as numpy arrays
 import numpy as np
 from safetensors import safe_open
 
@@ -127,9 +127,14 @@ def _as_float32(tensor: np.ndarray, name: str, where: str) -> np.ndarray:
 
 
 def read_lora_weights(path: Path, name: str, model: ModelConfig, ranks: dict[tuple[int, str], int],
-                      roots: tuple[Path, ...] = ()) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+                      roots: tuple[Path, ...] = (), keep_bf16: bool = False,
+                      ) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
     """``{(layer, module): (a [d_in, r], b [r, d_out])}`` in float32, read from ``path``'s safetensors file after
-    its header matched ``ranks`` exactly. With ``roots``, the file must really be inside one of them."""
+    its header matched ``ranks`` exactly. With ``roots``, the file must really be inside one of them.
+
+    ``keep_bf16``: BF16 tensors stay bfloat16, unchecked here: for a bfloat16 pool, whose layout
+    (``pool_rows.to_pool_rows``) checks their values from the bits in one pass and takes the bits as they are. That
+    halves a 7B all-7-projection adapter's read (NOTES, session 13). Other dtypes still become float32."""
     with open_adapter_file(Path(path) / WEIGHTS_NAME, name, roots) as file:
         _check_header_size(file.fd, file.size, name)
         try:
@@ -141,8 +146,9 @@ def read_lora_weights(path: Path, name: str, model: ModelConfig, ranks: dict[tup
             weights = {}
             for (layer, module), keys in sorted(layout.items()):
                 where = module_key(layer, module)
-                a = _as_float32(f.get_tensor(keys["A"]), name, where)  # [r, d_in]
-                b = _as_float32(f.get_tensor(keys["B"]), name, where)  # [d_out, r]
+                a, b = (f.get_tensor(keys[w]) for w in "AB")  # [r, d_in], [d_out, r]
+                if not (keep_bf16 and a.dtype == b.dtype == ml_dtypes.bfloat16):
+                    a, b = _as_float32(a, name, where), _as_float32(b, name, where)
                 # a: a view of lora_A (the pool rows take A^T's rows as they are, and column sums run along memory)
                 weights[(layer, module)] = (a.T, np.ascontiguousarray(b.T))
             return weights

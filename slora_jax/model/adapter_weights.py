@@ -14,7 +14,8 @@ import numpy as np
 class LoraModule:
     """One adapted projection in one layer: ``delta = (x @ a) @ b * scale``.
 
-    ``a`` is ``[d_in, r]`` and ``b`` is ``[r, d_out]`` (float32 numpy). PEFT stores
+    ``a`` is ``[d_in, r]`` and ``b`` is ``[r, d_out]`` (float32 numpy; bfloat16 where a read for a bfloat16 pool
+    kept a BF16 file's values). PEFT stores
     ``lora_A.weight`` as ``[r, d_in]`` (= ``a.T``) and ``lora_B.weight`` as ``[d_out, r]`` (= ``b.T``).
     """
 
