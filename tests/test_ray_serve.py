@@ -228,7 +228,7 @@ def test_killing_a_replica_mid_run_ends_its_requests_clearly_and_serving_goes_on
     unclear = {i: r for i, r in results.items() if not (r == "ok" or r.startswith("error: "))}
     assert not unclear, unclear
     assert any(r.startswith("error: ") for r in results.values()), "the kill hit no request"
-    probe = {"model": adapters[0], "prompt": "again", "max_tokens": 4}
+    probe = {"model": adapters[0], "prompt": "again", "max_tokens": 4, "ignore_eos": True}  # sampled: EOS may come
     while outcome(url, probe) != "ok":
         assert time.monotonic() - killed < 60, "not serving 60 s after the kill"
         time.sleep(0.5)
