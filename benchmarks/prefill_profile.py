@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import json
 import os
 import tempfile
@@ -150,7 +151,8 @@ def main() -> None:
         mem_ms = weight_bytes / (bw * 1e9) * 1e3
         mm_ms = 2 * tokens * matmul_params / (mm * 1e12) * 1e3
         floor_ms = max(mem_ms, mm_ms)
-        row = dict(case=f"{n_seqs}x{n_tok}", tokens=tokens, rows=n_rows,
+        row = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), case=f"{n_seqs}x{n_tok}",
+                   tokens=tokens, rows=n_rows,
                    device=jax.devices()[0].device_kind, jax=jax.__version__, commit=git_commit(), rank=args.rank,
                    targets=len(targets), step_ms=round(lora_ms, 3), no_lora_ms=round(base_ms, 3),
                    lora_share=round(lora_ms / base_ms - 1, 3), floor_ms=round(floor_ms, 3),

@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--admit-while-loading", action=argparse.BooleanOptionalAction, default=None,
                    help="admission passes over a request whose adapter is still being read from disk (or copied to "
                    "the GPU) while other requests can run, instead of the engine waiting for that read; it keeps its "
-                   "place (off until measured on the H200)")
+                   "place (off by default; it helps when the adapters outgrow host memory)")
     q.add_argument("--tenant-header", type=header_name, default=DEFAULT_TENANT_HEADER, metavar="NAME",
                    help="request header naming the tenant a request counts towards under vtc (absent: its adapter)")
     s = p.add_argument_group("HTTP")
