@@ -12,7 +12,9 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pallas_kernels.backends import backend_names
@@ -327,11 +329,15 @@ def build_server(args: argparse.Namespace):
     all of that happens in the engine process (:func:`process_engine`); this process gets the tokenizer. Left unset
     (None: only :func:`main` resolves the command's default), the engine runs in this process."""
     from ..tools.tokenizer import load_tokenizer
+    from ..tools.tokenizer import preload as preload_tokenizer
     from .server import Server
 
     if args.engine_process:
         from .engine_client import EngineClient
 
+        # this process needs the tokenizer only once the engine is ready: import transformers meanwhile (13 s
+        # between the engine's ready and the server's on the H200 host before; NOTES, session 13)
+        threading.Thread(target=preload_tokenizer, name="slora-tokenizer-import", daemon=True).start()
         client = EngineClient.launch(process_engine, (args,), defer_hand_over=args.defer_hand_over,
                                      log_level=args.log_level)
         config, model_dir = client.info["config"], client.info["model_dir"]
@@ -391,14 +397,17 @@ def build_engine_parts(args: argparse.Namespace):
         tensor_parallel_size=args.tensor_parallel_size, fully_sharded_loras=args.fully_sharded_loras,
         decode_lora_variants=on_gpu)  # fewer launches matter on a GPU; on CPU they only triple decode compiles
     # kernel tiles: the backend's defaults for this platform (pallas_kernels.backends.default_tiles)
-    tokenizer = load_tokenizer(model_dir)
-    if tokenizer is None:
-        log.warning("%s has no tokenizer: only token-id prompts on /v1/completions will work", model_dir)
+    # The tokenizer loads in a thread beside the weights and the warm-up: nothing needs it before serving, and a
+    # first load is seconds of transformers' import (8 of 8.5 s on the CPU box; NOTES, session 13).
+    tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="slora-tokenizer")
+    tokenizer_future = tokenizer_pool.submit(load_tokenizer, model_dir)
+    tokenizer_pool.shutdown(wait=False)
     log.info("loading %s (%s, backend %s)", model_dir, dtype, backend)
     t = time.monotonic()
-    engine = Engine.from_model_dir(model_dir, ecfg, tokenizer=tokenizer, progress=True,
-                                   converted_params_dir=args.converted_params_dir)
+    engine = Engine.from_model_dir(model_dir, ecfg, progress=True, converted_params_dir=args.converted_params_dir)
     log.info("weights loaded and pool allocated in %.1f s", time.monotonic() - t)
+    if tokenizer_future.done():
+        tokenizer_future.result()  # a tokenizer that fails to load stops the start here, not after the warm-up
     pool = engine.stats()["pool"]
     capacity = pool["num_pages"] * ecfg.page_size
     if capacity < max_len:
@@ -417,6 +426,9 @@ def build_engine_parts(args: argparse.Namespace):
         log.info("warm-up: %d compiles (%d from the compilation cache) in %.1f s",
                  compile_counter.compile_count() - compiles, compile_counter.cache_hits() - hits,
                  time.monotonic() - t)
+    engine.tokenizer = tokenizer_future.result()
+    if engine.tokenizer is None:
+        log.warning("%s has no tokenizer: only token-id prompts on /v1/completions will work", model_dir)
     if host_fill(args):
         HostFill(engine.store.host).start()  # stops when the store closes
     log.info("ready in %.1f s after start", time.monotonic() - started)

@@ -94,6 +94,12 @@ def has_tokenizer(model_dir: str | Path) -> bool:
     return any((model_dir / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
 
 
+def preload() -> None:
+    """Import what :func:`load_tokenizer` needs. transformers' import alone takes seconds (8 s of a first load's
+    8.5 on the CPU box), so a server does it in a thread while the engine loads and compiles."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+
 def load_tokenizer(model_dir: str | Path):
     """The model dir's tokenizer through ``transformers.AutoTokenizer``; None when the dir has none."""
     if not has_tokenizer(model_dir):
