@@ -64,6 +64,48 @@ def device_kernels(trace_dir: str) -> list[tuple[str, float]]:
     return out
 
 
+NO_KERNELS = dict(device_us_per_step={}, kernels_per_step=0.0, top_kernels=[])  # a run with no device trace
+
+
+def kernel_profile(step, calls: int = 5, top: int = 25) -> dict:
+    """Trace ``calls`` runs of ``step`` (a function returning a JAX array; run once first, untraced) and sum its GPU
+    kernels per call: ``device_us_per_step`` by category, ``kernels_per_step`` and the ``top`` kernels as (name,
+    count, us). Empty figures where the trace holds no GPU kernels."""
+    import jax
+
+    trace_dir = tempfile.mkdtemp(prefix="step_prof_")
+    step().block_until_ready()
+    jax.profiler.start_trace(trace_dir)
+    for _ in range(calls):
+        out = step()
+    out.block_until_ready()
+    jax.profiler.stop_trace()
+    kernels = device_kernels(trace_dir)
+    n = calls if kernels else 1
+    per_name = collections.defaultdict(lambda: [0, 0.0])
+    for name, us in kernels:
+        per_name[name][0] += 1
+        per_name[name][1] += us
+    per_cat = collections.Counter()
+    for name, (_, us) in per_name.items():
+        per_cat[category(name)] += us
+    return dict(device_us_per_step={k: round(v / n, 1) for k, v in per_cat.most_common()},
+                kernels_per_step=round(len(kernels) / n, 1),
+                top_kernels=[(name[:90], c // n, round(us / n, 1)) for name, (c, us) in
+                             sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]])
+
+
+def print_kernel_profile(prof: dict, top: int) -> None:
+    """The short table of :func:`kernel_profile`'s figures (nothing when the trace had no kernels)."""
+    if not prof.get("kernels_per_step"):
+        return
+    by_kind = prof["device_us_per_step"]
+    print(f"   device busy {sum(by_kind.values()) / 1e3:.2f} ms/step in {prof['kernels_per_step']:.0f} kernels; by "
+          "kind (us/step): " + ", ".join(f"{k} {v:.0f}" for k, v in by_kind.items()))
+    for name, count, us in prof["top_kernels"][:top]:
+        print(f"   {us:9.1f} us  {count:4d}x  {category(name):9s} {name}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
@@ -180,25 +222,7 @@ def main() -> None:
 
     engine_ms, dispatch_ms = as_engine(args.iters)
 
-    kernels = []
-    if not args.tiny:
-        trace_dir = tempfile.mkdtemp(prefix="decode_prof_")
-        full().block_until_ready()
-        jax.profiler.start_trace(trace_dir)
-        n_prof = 5
-        for _ in range(n_prof):
-            out = full()
-        out.block_until_ready()
-        jax.profiler.stop_trace()
-        kernels = device_kernels(trace_dir)
-    per_name = collections.defaultdict(lambda: [0, 0.0])
-    for name, us in kernels:
-        per_name[name][0] += 1
-        per_name[name][1] += us
-    per_cat = collections.Counter()
-    for name, (_, us) in per_name.items():
-        per_cat[category(name)] += us
-    n_prof = 5 if kernels else 1
+    prof = NO_KERNELS if args.tiny else kernel_profile(full)  # the trace needs a GPU
 
     lora_bytes = 0
     if args.adapters:
@@ -215,21 +239,13 @@ def main() -> None:
                as_engine_ms=round(engine_ms, 3), as_engine_dispatch_ms=round(dispatch_ms, 3),
                floor_ms=round(floor_ms, 3), x_floor=round(full_ms / floor_ms, 2) if floor_ms == floor_ms else None,
                copy_gbps=bw, weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9, lora_gb=lora_bytes / 1e9,
-               device_us_per_step={k: round(v / n_prof, 1) for k, v in per_cat.most_common()},
-               kernels_per_step=round(len(kernels) / n_prof, 1),
-               top_kernels=[(n[:90], c // n_prof, round(us / n_prof, 1)) for n, (c, us) in
-                            sorted(per_name.items(), key=lambda kv: -kv[1][1])[:25]])
+               **prof)
     print(f"\n== {row['label']}: step ({variant}) {full_ms:.2f} ms (again {full_ms2:.2f}), with every LoRA kernel "
           f"{all_ms:.2f} ms, without LoRA {base_ms:.2f} ms, floor "
           f"{floor_ms:.2f} ms -> x{row['x_floor']}; compile {t_compile:.0f} s, temp {temp_mib:.0f} MiB\n"
           f"   as the engine calls it (numpy batch, tokens from the last step): {engine_ms:.2f} ms per step, "
           f"{dispatch_ms:.2f} ms of it inside the call (median)")
-    if kernels:
-        busy = sum(per_cat.values()) / n_prof / 1e3
-        print(f"   device busy {busy:.2f} ms/step in {len(kernels) / n_prof:.0f} kernels; by kind (us/step): "
-              + ", ".join(f"{k} {v / n_prof:.0f}" for k, v in per_cat.most_common()))
-        for name, count, us in row["top_kernels"]:
-            print(f"   {us:9.1f} us  {count:4d}x  {category(name):9s} {name}")
+    print_kernel_profile(prof, 25)
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -15,18 +15,17 @@ into GEMMs, LoRA, attention, fusions and copies (``decode_profile.py``'s categor
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
+import functools
 import json
 import os
-import tempfile
 import time
 import zlib
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from common import device_ceilings, git_commit  # noqa: E402
-from decode_profile import category, device_kernels  # noqa: E402
+from decode_profile import NO_KERNELS, kernel_profile, print_kernel_profile  # noqa: E402
 
 
 def parse_segments(text: str) -> list[tuple[int, int]]:
@@ -95,7 +94,7 @@ def main() -> None:
         name = f"a{i}"
         eng.store.register(name, SyntheticAdapterSource(cfg, args.rank, targets, seed=zlib.crc32(name.encode())))
         slots.append(eng.store.acquire(name))
-    runner, rng, rows = eng.runner, np.random.default_rng(0), []
+    runner, rng = eng.runner, np.random.default_rng(0)
     state = {"pool": eng.pool.array}
     prev = jnp.zeros(runner.out_rows, jnp.int32)  # a prefill takes no token from a previous step
 
@@ -130,23 +129,7 @@ def main() -> None:
             return (time.perf_counter() - t0) / args.iters * 1e3
 
         lora_ms, base_ms = timed(packed, layout), timed(packed_base, layout_base)
-        kernels = []
-        if not args.tiny:
-            trace_dir = tempfile.mkdtemp(prefix="prefill_prof_")
-            jax.profiler.start_trace(trace_dir)
-            for _ in range(5):
-                out = run(packed, layout)
-            out.block_until_ready()
-            jax.profiler.stop_trace()
-            kernels = device_kernels(trace_dir)
-        n_prof = 5 if kernels else 1
-        per_name = collections.defaultdict(lambda: [0, 0.0])
-        for name, us in kernels:
-            per_name[name][0] += 1
-            per_name[name][1] += us
-        per_cat = collections.Counter()
-        for name, (_, us) in per_name.items():
-            per_cat[category(name)] += us
+        prof = NO_KERNELS if args.tiny else kernel_profile(functools.partial(run, packed, layout), top=15)  # GPU only
         tokens = n_seqs * n_tok
         mem_ms = weight_bytes / (bw * 1e9) * 1e3
         mm_ms = 2 * tokens * matmul_params / (mm * 1e12) * 1e3
@@ -158,19 +141,11 @@ def main() -> None:
                    lora_share=round(lora_ms / base_ms - 1, 3), floor_ms=round(floor_ms, 3),
                    floor_weights_ms=round(mem_ms, 3), floor_matmul_ms=round(mm_ms, 3),
                    x_floor=round(lora_ms / floor_ms, 2) if floor_ms == floor_ms else None, copy_gbps=bw,
-                   matmul_tflops=mm, device_us_per_step={k: round(v / n_prof, 1) for k, v in per_cat.most_common()},
-                   kernels_per_step=round(len(kernels) / n_prof, 1),
-                   top_kernels=[(nm[:90], c // n_prof, round(us / n_prof, 1)) for nm, (c, us) in
-                                sorted(per_name.items(), key=lambda kv: -kv[1][1])[:15]])
-        rows.append(row)
+                   matmul_tflops=mm, **prof)
         print(f"\n== {row['case']} ({tokens} tokens): step {lora_ms:.2f} ms, without LoRA {base_ms:.2f} ms "
               f"(LoRA +{100 * row['lora_share']:.0f}%), floor {floor_ms:.2f} ms (weights {mem_ms:.2f}, matmul "
               f"{mm_ms:.2f}) -> x{row['x_floor']}")
-        if kernels:
-            print(f"   device busy {sum(per_cat.values()) / n_prof / 1e3:.2f} ms in {len(kernels) / n_prof:.0f} "
-                  "kernels; by kind (us): " + ", ".join(f"{k} {v / n_prof:.0f}" for k, v in per_cat.most_common()))
-            for name, count, us in row["top_kernels"][:8]:
-                print(f"   {us:9.1f} us  {count:4d}x  {category(name):9s} {name}")
+        print_kernel_profile(prof, 8)
         eng.pool.free_kv_pages(held)
         if args.out:
             with open(args.out, "a") as f:
