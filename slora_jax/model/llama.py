@@ -58,7 +58,8 @@ class Linear(nn.Module):
     and gate,up): XLA cannot fuse the float32 -> bf16 convert into that custom call or into a cuBLAS GEMM, so it ran
     as a kernel of its own, 2 a layer, after the GEMM wrote float32 (benchmarks/NOTES.md, session 13's prefill
     profile). cuBLAS (compute type 32F) and Triton GEMMs accumulate bf16 dots in float32 either way, and round once.
-    o and down keep the float32 dot: their convert fuses into the residual add already."""
+    o and down keep float32 dots: at small batches XLA splits their contraction 8 ways, and it sums split-K partial
+    products in the output type (unless --xla_gpu_triton_gemm_disable_reduced_precision_reduction)."""
 
     features: int
     narrow_out: bool = False
