@@ -206,7 +206,7 @@ def test_scheduling_flags_become_engine_settings():
                                       "--enable-prefix-caching", "--vtc-weights", "1,3", "--tenant-header", "X-Org"])
     opts = scheduling_options(args)
     assert opts == dict(scheduling_policy="vtc", first_token_slo_s=0.25, early_abort=True, prefix_cache=True,
-                        vtc_input_weight=1.0, vtc_output_weight=3.0)
+                        vtc_input_weight=1.0, vtc_output_weight=3.0, admit_while_loading=True)
     assert args.tenant_header == "X-Org"
     ecfg = EngineConfig(num_pages=8, **opts)
     assert (ecfg.adapter_lookahead, ecfg.adapter_max_bypass) == (16, 32)  # unset flags keep the engine's defaults
