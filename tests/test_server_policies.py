@@ -206,7 +206,7 @@ def test_scheduling_flags_become_engine_settings():
                                       "--enable-prefix-caching", "--vtc-weights", "1,3", "--tenant-header", "X-Org"])
     opts = scheduling_options(args)
     assert opts == dict(scheduling_policy="vtc", first_token_slo_s=0.25, early_abort=True, prefix_cache=True,
-                        vtc_input_weight=1.0, vtc_output_weight=3.0)
+                        vtc_input_weight=1.0, vtc_output_weight=3.0, admit_while_loading=True)
     assert args.tenant_header == "X-Org"
     ecfg = EngineConfig(num_pages=8, **opts)
     assert (ecfg.adapter_lookahead, ecfg.adapter_max_bypass) == (16, 32)  # unset flags keep the engine's defaults
@@ -214,14 +214,15 @@ def test_scheduling_flags_become_engine_settings():
                                       "--adapter-max-bypass", "0"])
     assert scheduling_options(args) == dict(scheduling_policy="adapter-aware", first_token_slo_s=None,
                                             early_abort=False, prefix_cache=False, adapter_lookahead=4,
-                                            adapter_max_bypass=0)
+                                            adapter_max_bypass=0, admit_while_loading=True)
     assert scheduling_options(build_parser().parse_args(["--admit-while-loading"]))["admit_while_loading"] is True
+    assert scheduling_options(build_parser().parse_args(["--no-admit-while-loading"]))["admit_while_loading"] is False
 
 
-def test_default_flags_change_nothing():
+def test_default_flags_give_the_servers_defaults():
     args = build_parser().parse_args([])
     assert scheduling_options(args) == dict(scheduling_policy="fcfs", first_token_slo_s=None, early_abort=False,
-                                            prefix_cache=False)
+                                            prefix_cache=False, admit_while_loading=True)  # a server's default
     assert args.tenant_header == "X-Tenant-Id" == ServerConfig(served_model_name="m").tenant_header
 
 

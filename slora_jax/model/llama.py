@@ -52,14 +52,23 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """``x @ kernel`` with kernel [d_in, d_out] and float32 accumulation."""
+    """``x @ kernel`` with kernel [d_in, d_out] and float32 accumulation.
+
+    ``narrow_out``: the dot itself returns ``x``'s dtype. For projections whose output goes to a LoRA kernel (q,k,v
+    and gate,up): XLA cannot fuse the float32 -> bf16 convert into that custom call or into a cuBLAS GEMM, so it ran
+    as a kernel of its own, 2 a layer, after the GEMM wrote float32 (benchmarks/NOTES.md, session 13's prefill
+    profile). cuBLAS (compute type 32F) and Triton GEMMs accumulate bf16 dots in float32 either way, and round once.
+    o and down keep float32 dots: at small batches XLA splits their contraction 8 ways, and it sums split-K partial
+    products in the output type (unless --xla_gpu_triton_gemm_disable_reduced_precision_reduction)."""
 
     features: int
+    narrow_out: bool = False
 
     @nn.compact
     def __call__(self, x):
         kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features))
-        return jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+        out_dtype = x.dtype if self.narrow_out else jnp.float32
+        return jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=out_dtype).astype(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -71,7 +80,7 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         h = RMSNorm(cfg.rms_norm_eps, name="input_layernorm")(x)
-        qkv = ops.lora(h, Linear(cfg.q_width + 2 * cfg.kv_width, name="qkv_proj")(h), (0, 1, 2), layer, state)
+        qkv = ops.lora(h, Linear(cfg.q_width + 2 * cfg.kv_width, True, name="qkv_proj")(h), (0, 1, 2), layer, state)
         q = qkv[:, : cfg.q_width].reshape(t, nq, hd)
         k = qkv[:, cfg.q_width : cfg.q_width + cfg.kv_width].reshape(t, nkv, hd)
         v = qkv[:, cfg.q_width + cfg.kv_width :].reshape(t, nkv, hd)
@@ -80,7 +89,7 @@ class DecoderLayer(nn.Module):
         attn = attn.reshape(t, cfg.q_width).astype(x.dtype)
         x = add_projection(ops, x, attn, Linear(cfg.hidden_size, name="o_proj")(attn), (3,), layer, state)
         h = RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm")(x)
-        gu = ops.lora(h, Linear(2 * cfg.intermediate_size, name="gate_up_proj")(h), (4, 5), layer, state)
+        gu = ops.lora(h, Linear(2 * cfg.intermediate_size, True, name="gate_up_proj")(h), (4, 5), layer, state)
         gate, up = gu[:, : cfg.intermediate_size], gu[:, cfg.intermediate_size :]
         act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
         x = add_projection(ops, x, act, Linear(cfg.hidden_size, name="down_proj")(act), (6,), layer, state)
