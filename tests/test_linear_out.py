@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from slora_jax.model.llama import Linear
+from slora_jax.model.config import ModelConfig
+from slora_jax.model.llama import WIDE_ROWS, DecoderLayer, Linear
+from slora_jax.model.rope import rope_cos_sin
 
 
 def _dot_out_dtypes(fn, *args) -> list:
@@ -42,3 +44,44 @@ def test_float32_activations_keep_float32_dots():
     layer = Linear(32, True)
     params = layer.init(jax.random.PRNGKey(0), x)
     assert _dot_out_dtypes(layer.apply, params, x) == [jnp.float32]
+
+
+class _PassOps:
+    """LayerOps that add no LoRA and attend to v alone: the layer's own dots are what is counted."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def lora(self, x, y, *a):
+        return y
+
+    def attend(self, q, k, v, layer, state):
+        return jnp.repeat(v, self.cfg.num_attention_heads // self.cfg.num_key_value_heads, axis=1), state
+
+
+@pytest.mark.parametrize("rows, o_down_dtype", [(WIDE_ROWS // 2, jnp.float32), (WIDE_ROWS, jnp.bfloat16)])
+def test_o_and_down_narrow_only_at_prefill_widths(rows, o_down_dtype):
+    """Decode-sized batches keep float32 o/down dots (split-K partials would be summed in bf16); from WIDE_ROWS
+    rows every projection returns bf16 from the dot, and the layer's output stays within bf16 rounding of the
+    float32 route."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((rows, cfg.hidden_size)), jnp.bfloat16)
+    positions = jnp.asarray(rng.integers(0, 64, rows), jnp.int32)
+    cos, sin = rope_cos_sin(cfg, positions)
+    ops, layer = _PassOps(cfg), DecoderLayer(cfg)
+    params = layer.init(jax.random.PRNGKey(int(rng.integers(1 << 30))), x, cos, sin, 0, ops, None)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+
+    def run(p, x):
+        return layer.apply(p, x, cos, sin, 0, ops, None)[0]
+
+    # q,k,v | o | gate,up | down, in program order
+    assert _dot_out_dtypes(run, params, x) == [jnp.bfloat16, o_down_dtype, jnp.bfloat16, o_down_dtype]
+    out = np.asarray(run(params, x), np.float64)
+    with jax.default_matmul_precision("highest"):
+        ref = np.asarray(run(jax.tree.map(lambda p: p.astype(jnp.float32), params), x.astype(jnp.float32)),
+                         np.float64)
+    scale = np.abs(ref).max()
+    assert np.isfinite(out).all() and np.abs(out - ref).max() <= 0.05 * scale, np.abs(out - ref).max() / scale

@@ -58,8 +58,10 @@ class Linear(nn.Module):
     and gate,up): XLA cannot fuse the float32 -> bf16 convert into that custom call or into a cuBLAS GEMM, so it ran
     as a kernel of its own, 2 a layer, after the GEMM wrote float32 (benchmarks/NOTES.md, session 13's prefill
     profile). cuBLAS (compute type 32F) and Triton GEMMs accumulate bf16 dots in float32 either way, and round once.
-    o and down keep float32 dots: at small batches XLA splits their contraction 8 ways, and it sums split-K partial
-    products in the output type (unless --xla_gpu_triton_gemm_disable_reduced_precision_reduction)."""
+    o and down narrow only from ``WIDE_ROWS`` rows (prefill steps): at decode batches XLA splits their contraction up
+    to 8 ways and sums the split-K partial products in the output type (unless
+    --xla_gpu_triton_gemm_disable_reduced_precision_reduction), where a prefill GEMM has no split-K to round. There
+    the float32 output cost a convert kernel of its own before the residual add, 64 a 7B prefill step."""
 
     features: int
     narrow_out: bool = False
@@ -69,6 +71,11 @@ class Linear(nn.Module):
         kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features))
         out_dtype = x.dtype if self.narrow_out else jnp.float32
         return jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=out_dtype).astype(x.dtype)
+
+
+# rows from which o and down narrow their GEMM output too (see Linear): prefill buckets from 512 tokens (the saturated
+# S-LoRA trace's usual step); decode batches (256 rows by default) and short prefills, where XLA may split K, stay below
+WIDE_ROWS = 512
 
 
 class DecoderLayer(nn.Module):
@@ -87,12 +94,13 @@ class DecoderLayer(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn, state = ops.attend(q, k, v, layer, state)
         attn = attn.reshape(t, cfg.q_width).astype(x.dtype)
-        x = add_projection(ops, x, attn, Linear(cfg.hidden_size, name="o_proj")(attn), (3,), layer, state)
+        wide = t >= WIDE_ROWS
+        x = add_projection(ops, x, attn, Linear(cfg.hidden_size, wide, name="o_proj")(attn), (3,), layer, state)
         h = RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm")(x)
         gu = ops.lora(h, Linear(2 * cfg.intermediate_size, True, name="gate_up_proj")(h), (4, 5), layer, state)
         gate, up = gu[:, : cfg.intermediate_size], gu[:, cfg.intermediate_size :]
         act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
-        x = add_projection(ops, x, act, Linear(cfg.hidden_size, name="down_proj")(act), (6,), layer, state)
+        x = add_projection(ops, x, act, Linear(cfg.hidden_size, wide, name="down_proj")(act), (6,), layer, state)
         return x, state
 
 
