@@ -1,0 +1,77 @@
+"""How exact is a bf16 GEMM whose dot returns bf16 (``Linear(narrow_out=True)``) against one that returns float32 and
+is rounded after? On the GPU XLA may split a small-batch GEMM's contraction (split-K) and sum the partial products in
+the dot's output type, so a bf16 output could round more than once.
+
+    PYTHONPATH=.:benchmarks python benchmarks/gemm_out_precision.py --out gemm_out.json   # H200: < 1 minute
+    PYTHONPATH=.:benchmarks python benchmarks/gemm_out_precision.py --shapes 8:64:32 # CPU smoke run
+
+For each (rows, d_in, d_out) of Llama-2-7B's projections at decode and prefill batch sizes: random bf16 x and W
+(fresh per trial), the exact product (float64 on the host), and both routes' errors in units of the result's bf16
+ulp (``|out - exact| / ulp(exact)``; one rounding of the exact product is <= 0.5). Reported: the largest error and
+the share of entries off by more than one ulp, per route. A route that rounds once shows max <= ~0.5-1 and share ~0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+
+from common import git_commit
+
+# (rows, d_in, d_out): q,k,v fused, o, gate,up fused, down; decode batches 1-256, prefill 512 and 2048
+SEVEN_B = [(m, 4096, 12288) for m in (1, 16, 64, 256)] + [(m, 4096, 4096) for m in (1, 16, 64, 256, 512, 2048)] + \
+    [(m, 4096, 22016) for m in (64, 256)] + [(m, 11008, 4096) for m in (1, 16, 64, 256, 512, 2048)]
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    return [tuple(int(v) for v in part.split(":")) for part in text.split(",")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=None, help="rows:d_in:d_out,... (default: Llama-2-7B's projections)")
+    ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    shapes = parse_shapes(args.shapes) if args.shapes else SEVEN_B
+    narrow = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.bfloat16))
+    wide = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    rng = np.random.default_rng()
+    rows = []
+    print(f"{'rows':>5} {'d_in':>6} {'d_out':>6} | {'f32 out max ulp':>15} {'>1 ulp':>8} | {'bf16 out max ulp':>16} "
+          f"{'>1 ulp':>8}")
+    for m, k, n in shapes:
+        row = {"rows": m, "d_in": k, "d_out": n}
+        for name, fn in (("f32_out", wide), ("bf16_out", narrow)):
+            worst, share = 0.0, 0.0
+            for _ in range(args.trials):
+                x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+                w = jnp.asarray(rng.standard_normal((k, n)) * k ** -0.5, jnp.bfloat16)
+                out = np.asarray(fn(x, w), np.float64)
+                exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+                # ulp of bf16 at |exact|: 2^(floor(log2|e|) - 7); floor the tiny values at the data's scale
+                mag = np.maximum(np.abs(exact), 2.0 ** -20)
+                ulp = 2.0 ** (np.floor(np.log2(mag)) - 7)
+                err = np.abs(out - exact) / ulp
+                worst, share = max(worst, float(err.max())), max(share, float((err > 1.0).mean()))
+            row[name] = {"max_ulp": round(worst, 3), "share_over_1_ulp": share}
+        rows.append(row)
+        f, b = row["f32_out"], row["bf16_out"]
+        print(f"{m:>5} {k:>6} {n:>6} | {f['max_ulp']:>15.3f} {f['share_over_1_ulp']:>8.2e} | {b['max_ulp']:>16.3f} "
+              f"{b['share_over_1_ulp']:>8.2e}")
+    if args.out:
+        dev = jax.devices()[0]
+        with open(args.out, "w") as fh:
+            json.dump({"date": datetime.date.today().isoformat(), "device": dev.device_kind, "platform": dev.platform,
+                       "jax_version": jax.__version__, "git_commit": git_commit(),
+                       "xla_flags": __import__("os").environ.get("XLA_FLAGS", ""), "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
