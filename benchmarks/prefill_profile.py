@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--all7", action="store_true", help="adapters on all 7 projections (default q,k,v,o)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None, help="append one JSON line per case here")
+    ap.add_argument("--top", type=int, default=15, help="kernels kept by name in the JSON (costliest first)")
     args = ap.parse_args()
     cases = parse_segments(args.segments)
     probe = {} if args.tiny else device_ceilings(matmul_n=8192)
@@ -129,7 +130,8 @@ def main() -> None:
             return (time.perf_counter() - t0) / args.iters * 1e3
 
         lora_ms, base_ms = timed(packed, layout), timed(packed_base, layout_base)
-        prof = NO_KERNELS if args.tiny else kernel_profile(functools.partial(run, packed, layout), top=15)  # GPU only
+        prof = (NO_KERNELS if args.tiny  # kernels: GPU only
+                else kernel_profile(functools.partial(run, packed, layout), top=args.top))
         tokens = n_seqs * n_tok
         mem_ms = weight_bytes / (bw * 1e9) * 1e3
         mm_ms = 2 * tokens * matmul_params / (mm * 1e12) * 1e3
