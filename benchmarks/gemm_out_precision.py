@@ -9,8 +9,8 @@ For each (rows, d_in, d_out) of Llama-2-7B's projections at decode and prefill b
 (fresh per trial), the exact product (float64 on the host), and both routes' errors in units of the result's bf16
 ulp (``|out - exact| / ulp(exact)``; one rounding of the exact product is <= 0.5). Reported: the largest error and
 the share of entries off by more than one ulp, per route, and the largest error in the ulp of the row's RMS (entries
-near zero by cancellation have ulps far below the float32 sum's error). A route that rounds once shows max <= ~0.5-1
-in the row's ulp and a share near 0.
+near zero by cancellation have ulps far below the float32 sum's error). A route that rounds once shows a per-entry
+max near 0.5, a share near 0, and a row-RMS max of ~2 (entries a few times the RMS carry larger ulps of their own).
 """
 
 from __future__ import annotations
