@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from slora_jax.model.config import ModelConfig
-from slora_jax.model.llama import WIDE_ROWS, DecoderLayer, Linear
+from slora_jax.model.llama import WIDE_ROWS, DecoderLayer, Linear, PassThroughOps
 from slora_jax.model.rope import rope_cos_sin
 
 
@@ -46,19 +46,6 @@ def test_float32_activations_keep_float32_dots():
     assert _dot_out_dtypes(layer.apply, params, x) == [jnp.float32]
 
 
-class _PassOps:
-    """LayerOps that add no LoRA and attend to v alone: the layer's own dots are what is counted."""
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-
-    def lora(self, x, y, *a):
-        return y
-
-    def attend(self, q, k, v, layer, state):
-        return jnp.repeat(v, self.cfg.num_attention_heads // self.cfg.num_key_value_heads, axis=1), state
-
-
 @pytest.mark.parametrize("rows, o_down_dtype", [(WIDE_ROWS // 2, jnp.float32), (WIDE_ROWS, jnp.bfloat16)])
 def test_o_and_down_narrow_only_at_prefill_widths(rows, o_down_dtype):
     """Decode-sized batches keep float32 o/down dots (split-K partials would be summed in bf16); from WIDE_ROWS
@@ -70,7 +57,7 @@ def test_o_and_down_narrow_only_at_prefill_widths(rows, o_down_dtype):
     x = jnp.asarray(rng.standard_normal((rows, cfg.hidden_size)), jnp.bfloat16)
     positions = jnp.asarray(rng.integers(0, 64, rows), jnp.int32)
     cos, sin = rope_cos_sin(cfg, positions)
-    ops, layer = _PassOps(cfg), DecoderLayer(cfg)
+    ops, layer = PassThroughOps(cfg), DecoderLayer(cfg)
     params = layer.init(jax.random.PRNGKey(int(rng.integers(1 << 30))), x, cos, sin, 0, ops, None)
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
 

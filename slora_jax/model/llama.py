@@ -138,22 +138,29 @@ def forward(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Ar
     return logits, state
 
 
+class PassThroughOps:
+    """LayerOps with no LoRA and no cache: attention returns v (its heads repeated for GQA). Enough to create a
+    layer's params, or to look at the layer's own computation (its dots) alone."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+
+    def lora(self, x, y, *a):
+        return y
+
+    def attend(self, q, k, v, layer, state):
+        return jnp.repeat(v, self.cfg.num_attention_heads // self.cfg.num_key_value_heads, axis=1), state
+
+
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
     """Random params in our layout (for tests that need no checkpoint)."""
     k_embed, k_layers, k_head = jax.random.split(key, 3)
     embed = jax.random.normal(k_embed, (cfg.vocab_size, cfg.hidden_size), dtype) * 0.5
 
-    class _Ops:
-        def lora(self, x, y, *a):
-            return y
-
-        def attend(self, q, k, v, layer, state):
-            return jnp.repeat(v, cfg.num_attention_heads // cfg.num_key_value_heads, axis=1), state
-
     def one(k):
         x = jnp.zeros((1, cfg.hidden_size), dtype)
         cos, sin = rope_cos_sin(cfg, jnp.zeros((1,), jnp.int32))
-        return DecoderLayer(cfg).init(k, x, cos, sin, 0, _Ops(), None)["params"]
+        return DecoderLayer(cfg).init(k, x, cos, sin, 0, PassThroughOps(cfg), None)["params"]
 
     layers = jax.vmap(one)(jax.random.split(k_layers, cfg.num_hidden_layers))
     lm_head = embed.T if cfg.tie_word_embeddings else jax.random.normal(k_head, (cfg.hidden_size, cfg.vocab_size))
