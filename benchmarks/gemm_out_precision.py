@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 
 from common import git_commit
 
@@ -77,7 +78,7 @@ def main() -> None:
         with open(args.out, "w") as fh:
             json.dump({"date": datetime.date.today().isoformat(), "device": dev.device_kind, "platform": dev.platform,
                        "jax_version": jax.__version__, "git_commit": git_commit(),
-                       "xla_flags": __import__("os").environ.get("XLA_FLAGS", ""), "rows": rows}, fh, indent=1)
+                       "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
