@@ -36,13 +36,17 @@ def write_kv(pool: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, slot
     if v.shape != k.shape or slots.shape != (num_tokens,):
         raise ValueError(f"k {k.shape}, v {v.shape} and slots {slots.shape} disagree")
     slots = slots.astype(jnp.int32)
-    # Padding goes to page index num_pages, which mode="drop" discards (a negative index would wrap around).
-    page = jnp.where(slots < 0, num_pages, slots // page_size)
+    # Padding token t goes to page num_pages + t: out of range, so mode="drop" discards it (a negative index would
+    # wrap around), and distinct, so every index of the scatter is unique (in-range slots are: one token per slot).
+    pad_page = num_pages + jnp.arange(num_tokens, dtype=jnp.int32)
+    page = jnp.where(slots < 0, pad_page, slots // page_size)
     offset = jnp.where(slots < 0, 0, slots % page_size)
     head_rows = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :] * page_size + offset[:, None]  # [T, n_kv]
     rows = jnp.concatenate([head_rows, head_rows + num_kv_heads * page_size], axis=1)  # [T, 2*n_kv]: K then V
     values = jnp.concatenate([k, v], axis=1).astype(pool.dtype)  # [T, 2*n_kv, hd]
-    return pool.at[layer, page[:, None], rows].set(values, mode="drop")
+    # unique_indices: without it XLA's GPU scatter writes every element through an atomic read-modify-write, and for
+    # bf16 that is a compare-and-swap loop (~250 GB/s measured on the H200: 6-8% of a prefill step)
+    return pool.at[layer, page[:, None], rows].set(values, mode="drop", unique_indices=True)
 
 
 def token_slots(page_table: jax.Array, seq_ids: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:

@@ -64,8 +64,11 @@ class StagedPages:
 
 
 def _scatter_pages(pool: jax.Array, page_ids: jax.Array, page_vectors: jax.Array) -> jax.Array:
-    """Scatter whole pages into every layer in place; page id ``num_pages`` marks bucket padding and is dropped."""
-    return pool.at[:, page_ids].set(page_vectors.astype(pool.dtype), mode="drop")
+    """Scatter whole pages into every layer in place; page ids from ``num_pages`` up mark bucket padding (dropped).
+
+    The ids are distinct (allocated pages, then distinct padding ids), so the scatter declares them unique: XLA's GPU
+    scatter then stores plainly instead of a compare-and-swap loop per bf16 element."""
+    return pool.at[:, page_ids].set(page_vectors.astype(pool.dtype), mode="drop", unique_indices=True)
 
 
 _write_pages = jax.jit(_scatter_pages, donate_argnums=0)
@@ -339,7 +342,7 @@ class PagedPool:
         return min(next_pow2(n_pages), self.max_pages)
 
     def _page_ids(self, pages: list[int], bucket: int) -> np.ndarray:
-        """Page ids for one scatter, padded to ``bucket`` with the out-of-range id ``num_pages`` (dropped)."""
-        page_ids = np.full(bucket, self.num_pages, np.int32)
+        """Page ids for one scatter, padded to ``bucket`` with distinct out-of-range ids (see _scatter_pages)."""
+        page_ids = self.num_pages + np.arange(bucket, dtype=np.int32)
         page_ids[: len(pages)] = pages
         return page_ids
