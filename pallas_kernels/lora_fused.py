@@ -229,14 +229,14 @@ def _expand_tiles(pool_ref, pages_ref, base_ref, row: _Row, b_off, n_out, col0, 
         cv = first + e * n_c + jnp.arange(n_c, dtype=jnp.int32)
         cmask = cv < limit
         b = _gather(pool_ref, pages_ref, row, row0[:, None] + cv[None, :], kmask[:, None] & cmask[None, :], g)
-        cols = (col0 + cv)[:, None]
-        old = load(base_ref.at[row.t, cols, lane[None, :]], mask=cmask[:, None], other=0)
+        cols = (col0 + cv)[:, None] * g.vdim + lane[None, :]  # base and out are [T, D]: vector c is columns c*V + lane
+        old = load(base_ref.at[row.t, cols], mask=cmask[:, None], other=0)
         return b, old, cols, cmask
 
     def apply(loads, u, out_ref):
         b, old, cols, cmask = loads
         new = old.astype(_F32) + jnp.sum(b.astype(_F32) * u[:, None, None], axis=0)
-        store(out_ref.at[row.t, cols, lane[None, :]], new.astype(out_ref.dtype), mask=cmask[:, None])
+        store(out_ref.at[row.t, cols], new.astype(out_ref.dtype), mask=cmask[:, None])
 
     return n_c, tile, apply
 
@@ -342,14 +342,15 @@ def bgmv_lora(x: jax.Array, base: jax.Array, pool: jax.Array, layer, row_slot: j
               p.classes, p.tile_elems, n_chunks, -(-n_chunks // p.splits), p.splits, page_rows, vdim)
     lay = layer_args(layer, pool.shape)
     slot = row_slot.astype(jnp.int32)
-    xv, poolv, basev = x.reshape(n_rows, n_chunks, vdim), pool.reshape(-1, vdim), base.reshape(n_rows, -1, vdim)
+    xv, poolv = x.reshape(n_rows, n_chunks, vdim), pool.reshape(-1, vdim)
     call = functools.partial(pallas_call, out_specs=any_spec(), interpret=interpret, num_warps=p.num_warps)
-    out_shape = jax.ShapeDtypeStruct(basev.shape, base.dtype)
+    # base stays [T, D] in and out: a reshaped output stood as a convert kernel before the next RMSNorm (64 a step)
+    out_shape = jax.ShapeDtypeStruct(base.shape, base.dtype)
     if p.mode == "fused":
         out = call(functools.partial(_fused_kernel, g=g), out_shape=out_shape, grid=(n_blocks, n_rows),
                    in_specs=[any_spec()] * 11, input_output_aliases={10: 0}, name="lora_bgmv_fused")(
-            *lay, slot, table.rank, table.a_off, table.b_off, table.scale, table.pages, xv, poolv, basev)
-        return out.reshape(base.shape)
+            *lay, slot, table.rank, table.a_off, table.b_off, table.scale, table.pages, xv, poolv, base)
+        return out
     n_splits = -(-n_chunks // g.chunks_per_split)  # splits that have chunks to do
     g = g._replace(splits=n_splits)
     y = call(functools.partial(_split_shrink_kernel, g=g), grid=(n_splits, n_mod, n_rows), in_specs=[any_spec()] * 8,
@@ -357,8 +358,8 @@ def bgmv_lora(x: jax.Array, base: jax.Array, pool: jax.Array, layer, row_slot: j
              name="lora_bgmv_split_shrink")(*lay, slot, table.rank, table.a_off, table.pages, xv, poolv)
     out = call(functools.partial(_split_expand_kernel, g=g), out_shape=out_shape, grid=(n_blocks, n_rows),
                in_specs=[any_spec()] * 10, input_output_aliases={9: 0}, name="lora_bgmv_split_expand")(
-        *lay, slot, table.rank, table.b_off, table.scale, table.pages, y, poolv, basev)
-    return out.reshape(base.shape)
+        *lay, slot, table.rank, table.b_off, table.scale, table.pages, y, poolv, base)
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("modules", "max_rank", "d_outs", "interpret", "tuning"))

@@ -157,6 +157,26 @@ def test_decode_lora_split(model, batch, group):
     assert decode_lora("pallas", model, batch, group, 64, FusedTuning(mode="split")) == LORA_NAMES["split"]
 
 
+@pytest.mark.parametrize("mode", ("fused", "split"))
+def test_decode_lora_returns_the_base_shape_from_the_kernel(mode):
+    """The kernel's output is ``[T, D]`` itself, with no reshape after it: a reshaped output stood between the kernel
+    and the next RMSNorm's fusion as a convert kernel (64 a decode step on a 7B model, session 11's profile)."""
+    w = world("llama-2-7b", 8)
+    modules, d_in, d_outs = w.group("qkv")
+    lora, batch, width = get_backend("pallas").bgmv_lora, 64, sum(d_outs)
+
+    def fn(x, y, pool, layer, row_slot, table):
+        return lora(x, y, pool, layer, row_slot, table, modules, 8, d_outs, interpret=False,
+                    tuning=FusedTuning(mode=mode))
+
+    text = jax.jit(fn).trace(S((batch, d_in), BF16), S((batch, width), BF16), w.pool, S((), I32), S((batch,), I32),
+                             w.table).lower(lowering_platforms=("cuda",)).as_text()
+    lines = text.splitlines()
+    last_call = max(i for i, line in enumerate(lines) if any(f"@{t}(" in line for t in TARGETS))
+    assert lines[last_call].endswith(f"-> tensor<{batch}x{width}xbf16>"), lines[last_call][-200:]
+    assert not any("stablehlo.reshape" in line for line in lines[last_call:]), lines[last_call:]
+
+
 @pytest.mark.parametrize("rank", RANKS)
 @pytest.mark.parametrize("group", tuple(GROUPS))
 @pytest.mark.parametrize("batch", BATCHES)

@@ -74,6 +74,17 @@ LORA_VARIANTS: dict[str, tuple[int, ...]] = {
 }
 
 
+def step_compiler_options(platform: str) -> dict[str, str]:
+    """XLA options for the step compiles on ``platform``.
+
+    GPU: no rematerialization pass. It aims at a memory limit below the step's own arguments (the donated pool is one
+    of them), so it cannot succeed: for a 102 GiB pool it printed "Can't reduce memory use below ... only reduced to
+    305 GiB" at every step compile and saved 30 MB, while the step's real footprint is pool + weights + < 0.5 GiB
+    (benchmarks/step_memory.py, NOTES session 5). Off, the warning and the pass's compile time go.
+    """
+    return {"xla_disable_hlo_passes": "rematerialization"} if platform == "gpu" else {}
+
+
 def lora_variant(targets: np.ndarray) -> str:
     """The smallest variant whose projections include every True entry of ``targets`` (bool[len(MODULES)])."""
     want = set(np.flatnonzero(targets).tolist())
@@ -110,7 +121,9 @@ class StepRunner:
         # every step returns this many token ids (a decode bucket may exceed max_batch_size)
         self.out_rows = max(max(ecfg.decode_buckets), ecfg.max_prefill_seqs)
         # fn(layout, params, pool, table, packed, prev_tokens, penalty_state): layout static, pool and state donated
-        jit = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 6))
+        self.compiler_options = step_compiler_options(jax.default_backend())
+        jit = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 6),
+                                compiler_options=self.compiler_options or None)
         self._prefill = jit(wrap(functools.partial(_step, step_cfg, self.prefill_spec, self.out_rows, False)))
         # prompt logprobs (echo): the lm_head over every row; compiled per prefill bucket, run only when asked
         self._prefill_echo = jit(wrap(functools.partial(_step, step_cfg, self.prefill_spec, self.out_rows, True)))
@@ -130,6 +143,7 @@ class StepRunner:
         # what the store keys every step of this runner by, beside the job, its layout and the argument shapes
         self.identity = "\n".join(map(repr, (
             cfg, executable_store.step_settings(ecfg), interpret, self.prefill_spec, self.decode_spec, self.out_rows,
+            sorted(self.compiler_options.items()),
             tuple(self._decode), None if tp is None else (tp.mesh.axis_names, [d.id for d in self._devices],
                                                            tp.fully_sharded_loras))))
         stable = resolve_stable_inputs(ecfg.stable_step_inputs, jax.default_backend()) and len(self._devices) == 1
