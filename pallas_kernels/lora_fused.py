@@ -42,6 +42,12 @@ SMALL_TILE_ELEMS = 32768  # ... or, when the grid has fewer programs than SMs, t
 SMALL_WARPS = 16
 N_CLASSES = 4  # rank classes: next_pow2(max_rank) and the powers of two below it
 PLAN_RANK = 16  # the rank the plan assumes for a row (true ranks are known only on the device)
+# Up to this many rows the plan is the split one with 8k-element tiles (its splits and blocks still from the cost
+# model). Measured as whole layers (all 7 projections, rank 16, H200, session 15, kernels.py --decode-table), the
+# cost model's own picks lost there: 42.6 / 52.6 / 100.8 us a layer at 1 / 16 / 64 rows against 27.2 / 43.8 / 97.3.
+# At 256 rows its pick (fused) was within 3% of the best; above 64 it decides.
+SPLIT_ROWS = 64
+SPLIT_TILE = (8192, 8)  # (tile_elems, num_warps)
 
 # Cost model of the plan (H200; microseconds and bytes per microsecond). KERNEL_US: launch gap plus the dependent
 # loads at a kernel's head; a program streams at most its tile per LATENCY_US, and at most SM_BPUS.
@@ -122,6 +128,8 @@ def fused_plan(n_rows: int, n_chunks: int, out_vecs: tuple[int, ...], vdim: int,
         if tuning.tile_elems or tuning.num_warps:
             tiles = [(tuning.tile_elems or GPU_TILE_ELEMS, tuning.num_warps or GPU_WARPS)]
         modes = [tuning.mode] if tuning.mode else ["fused", "split"]
+        if n_rows <= SPLIT_ROWS and not (tuning.mode or tuning.tile_elems or tuning.num_warps):
+            modes, tiles = ["split"], [SPLIT_TILE]
         rank = min(top, PLAN_RANK)
         cands = []
         for mode, vecs, tile in itertools.product(modes, vec_opts, tiles):

@@ -25,7 +25,7 @@ from test_lora_kernels import (
 )
 
 from pallas_kernels.lora_common import AdapterTable
-from pallas_kernels.lora_fused import FusedTuning, bgmv_lora, bgmv_lora_reference, fused_plan
+from pallas_kernels.lora_fused import SPLIT_ROWS, SPLIT_TILE, FusedTuning, bgmv_lora, bgmv_lora_reference, fused_plan
 from pallas_kernels.lowering import next_pow2
 
 
@@ -120,6 +120,8 @@ def test_plan_shapes(n_rows, max_rank):
         assert 1 <= p.splits <= n_chunks and (p.mode == "split" or p.splits == 1) and p.est_us > 0
         if n_rows == 256:  # enough programs: a program covers a whole module, no A is read twice
             assert p.mode == "fused" and p.vecs >= max(out_vecs)
+        if n_rows <= SPLIT_ROWS:  # the measured small-batch plan: d_in split, 8k-element tiles
+            assert (p.mode, (p.tile_elems, p.num_warps)) == ("split", SPLIT_TILE)
         if n_rows == 1:  # modules cut into blocks (fused) or d_in cut into splits: more than 4 programs per module
             assert (p.mode == "fused" and max(out_vecs) // p.vecs > 4) or p.splits > 4
     tuned = FusedTuning(mode="split", vecs=4, splits=8, tile_elems=4096, num_warps=4, classes=2)
