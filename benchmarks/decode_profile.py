@@ -143,9 +143,12 @@ def main() -> None:
 
     cfg = ModelConfig.from_dict(preset_config("tiny" if args.tiny else "llama-2-7b"))
     gpu_tiles = default_tiles("pallas", "gpu")  # the GPU tiles even with --tiny: the profile is of the GPU setup
+    # the pool holds every sequence's context (B=256 at 448 tokens needs ~60 GB of KV), and never less than 24 GiB
+    kv_need = args.batch * (args.ctx + 16) * 2 * cfg.num_hidden_layers * cfg.kv_width * 2
+    pool_bytes = (256 << 20) if args.tiny else max(24 << 30, int(kv_need * 1.05) + (2 << 30))
     ecfg = EngineConfig(max_batch_size=args.batch, max_prefill_tokens=2048, max_prefill_seqs=16,
                         max_model_len=max(1024, args.ctx + 16), page_size=16, max_lora_rank=64,
-                        max_loras=max(args.adapters, 1), pool_bytes=(256 << 20) if args.tiny else (24 << 30),
+                        max_loras=max(args.adapters, 1), pool_bytes=pool_bytes,
                         dtype="float32" if args.tiny else "bfloat16", backend="pallas", min_decode_bucket=args.batch,
                         lora_block_t=gpu_tiles["lora_block_t"], attn_block_q=gpu_tiles["attn_block_q"],
                         layer_loop=args.layer_loop)
