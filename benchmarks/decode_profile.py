@@ -4,7 +4,8 @@
     PYTHONPATH=.:benchmarks python benchmarks/decode_profile.py --tiny      # CPU smoke run
 
 Times the engine's jitted decode step (pool donated, batch already on the device, calls chained as in serving)
-with and without LoRA, prints the step's floor (weights + KV + adapter rows over the copy bandwidth) and, from a
+with and without LoRA, prints the step's floor (weights + KV + adapter rows over the copy bandwidth, the weights'
+share no less than the GEMMs' FLOPs over the measured matmul rate: it binds from ~150 rows) and, from a
 ``jax.profiler`` trace, the device time per kernel grouped into GEMMs, our Pallas kernels, XLA fusions and copies.
 One variant per process, because XLA flags are read once: run it once per ``--layer-loop`` / ``--xla-flag``.
 """
@@ -122,8 +123,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.xla_flag:
         os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *args.xla_flag]).strip()
-    probe = {} if args.tiny else device_ceilings()
-    bw = probe.get("copy_gbps", float("nan"))
+    probe = {} if args.tiny else device_ceilings(matmul_n=8192)
+    bw, mm = probe.get("copy_gbps", float("nan")), probe.get("matmul_tflops", float("nan"))
 
     import jax
     import jax.numpy as jnp
@@ -233,7 +234,11 @@ def main() -> None:
         dims = sum(sum(cfg.module_dims(m)) for m in targets)
         lora_bytes = args.adapters * args.rank * dims * cfg.num_hidden_layers * 2
     kv_bytes = args.batch * (args.ctx + 1) * 2 * cfg.num_hidden_layers * cfg.kv_width * 2
-    floor_ms = (weight_bytes + kv_bytes + lora_bytes) / (bw * 1e9) * 1e3 if bw == bw else float("nan")
+    bytes_ms = (weight_bytes + kv_bytes + lora_bytes) / (bw * 1e9) * 1e3 if bw == bw else float("nan")
+    # the GEMMs read each weight once and do 2 x batch FLOPs per weight: past ~150 rows the matmul rate bounds them
+    matmul_ms = args.batch * weight_bytes / (mm * 1e12) * 1e3 if mm == mm else float("nan")
+    weights_ms = weight_bytes / (bw * 1e9) * 1e3 if bw == bw else float("nan")
+    floor_ms = bytes_ms - weights_ms + max(weights_ms, matmul_ms) if matmul_ms == matmul_ms else bytes_ms
     row = dict(label=args.label or f"{args.layer_loop} {' '.join(args.xla_flag)}".strip(), device=jax.devices()[0]
                .device_kind, jax=jax.__version__, commit=git_commit(), batch=args.batch, ctx=args.ctx,
                adapters=args.adapters, rank=args.rank, targets=len(targets), layer_loop=args.layer_loop,
@@ -242,7 +247,8 @@ def main() -> None:
                all_lora_kernels_ms=round(all_ms, 3), no_lora_ms=round(base_ms, 3),
                as_engine_ms=round(engine_ms, 3), as_engine_dispatch_ms=round(dispatch_ms, 3),
                floor_ms=round(floor_ms, 3), x_floor=round(full_ms / floor_ms, 2) if floor_ms == floor_ms else None,
-               copy_gbps=bw, weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9, lora_gb=lora_bytes / 1e9,
+               floor_bytes_ms=round(bytes_ms, 3), floor_matmul_ms=round(matmul_ms, 3), matmul_tflops=mm, copy_gbps=bw,
+               weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9, lora_gb=lora_bytes / 1e9,
                **prof)
     print(f"\n== {row['label']}: step ({variant}) {full_ms:.2f} ms (again {full_ms2:.2f}), with every LoRA kernel "
           f"{all_ms:.2f} ms, without LoRA {base_ms:.2f} ms, floor "
