@@ -5,6 +5,7 @@ start-up phases from its log."""
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 
@@ -51,6 +52,26 @@ def server_counters(url: str, api_key: str | None) -> dict[str, float]:
             key = f"adapter_load_{m.group(1)}.{m.group(2)}"
             out[key] = out.get(key, 0.0) + float(m.group(3))
     return out
+
+
+def wait_host_fill(url: str, api_key: str | None, n_adapters: int, max_s: float, settle_s: float = 6.0,
+                   poll_s: float = 1.0) -> dict:
+    """Wait until the server's host fill is done: every adapter in host memory, or the count unchanged for
+    ``settle_s`` (the host budget is full), or ``max_s`` passed. Why: the fill takes ~45 s after a 7B start with 2000
+    S1 adapters, and a saturation trace started before it measures the reads from disk of a just-started server, not
+    the steady state S-LoRA's design keeps (every adapter in host memory). Returns what it waited for and saw."""
+    t0 = time.monotonic()
+    last, since = None, t0
+    while True:
+        now = time.monotonic()
+        count = server_counters(url, api_key).get("adapters_in_host")
+        if count is not None and count != last:
+            last, since = count, now
+        why = ("all" if last is not None and last >= n_adapters else "settled" if now - since >= settle_s
+               else "max_s" if now - t0 >= max_s else None)
+        if why:
+            return {"waited_s": round(now - t0, 1), "adapters_in_host": last, "of": n_adapters, "ended_by": why}
+        time.sleep(poll_s)
 
 
 def server_share(before: dict, after: dict, elapsed_s: float) -> dict:

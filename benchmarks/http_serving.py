@@ -46,6 +46,7 @@ from http_server_probe import (
     server_counters,
     server_share,
     startup_phases,
+    wait_host_fill,
 )
 from soak import ServerProcess, device_info
 from workload import make_trace
@@ -233,6 +234,10 @@ def parse_args(argv=None):
     ap.add_argument("--in-process-min-s", type=float, default=30.0,
                     help="start the in-process run only with this many seconds of --budget-s left (its engine "
                     "build and traces; a trace cut by the budget is no comparison)")
+    ap.add_argument("--host-fill-wait-s", type=float, default=90.0,
+                    help="after the warm-up trace, wait up to this long for the server's host fill (every adapter "
+                    "read into host memory, or the host budget full) before the timed traces; 0: do not wait (the "
+                    "method up to session 15, whose saturation runs started with ~900 of 2000 S1 adapters read)")
     ap.add_argument("--tiny", action="store_true", help="CPU-sized defaults (short lengths, few requests)")
     ap.add_argument("--prepare-only", action="store_true",
                     help="write the model and adapters and start the server once (fills the compilation cache), "
@@ -422,6 +427,9 @@ def main(argv=None) -> int:
         save()
         if not args.prepare_only:
             report["http"], specs, sat = http_warm(args, pool, url, srv.api_key, names, vocab)
+            if args.host_fill_wait_s > 0:  # timed traces see the steady state: every adapter the host holds read
+                report["host_fill_wait"] = wait_host_fill(url, srv.api_key, len(names), args.host_fill_wait_s)
+                print(f"host fill: {report['host_fill_wait']}", flush=True)
             ours = [x for x in args.rates.split(",") if x]
             if args.aiperf and args.aiperf_first:  # aiperf on the server as it is after the warm-up trace
                 report["aiperf"] = aiperf_phase(args, url, srv.api_key, names, vocab, model_dir, specs, sat,

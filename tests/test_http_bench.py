@@ -20,6 +20,7 @@ BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 import aiperf_run  # noqa: E402
 import http_client  # noqa: E402
+import http_server_probe  # noqa: E402
 import http_serving  # noqa: E402
 import serving  # noqa: E402
 from workload import make_trace  # noqa: E402
@@ -166,3 +167,29 @@ def test_prepared_adapter_sets_have_s_loras_ranks_and_targets(tmp_path, adapter_
         config = json.loads((adapters / f"adapter-{i:04d}" / "adapter_config.json").read_text())
         assert config["r"] == want_ranks[i % len(want_ranks)], i
         assert sorted(config["target_modules"]) == sorted(targets.split(","))
+
+
+@pytest.mark.parametrize("counts, n, max_s, ended_by, seen", [
+    ([100, 400, 900, 2000], 2000, 60, "all", 2000),  # every adapter read
+    ([100, 1270, 1270, 1270, 1270, 1270, 1270, 1270, 1270, 1270], 2000, 60, "settled", 1270),  # the host budget full
+    (list(range(100, 3000, 10)), 2000, 3, "max_s", None),  # still growing when the wait ends
+])
+def test_the_host_fill_wait_ends_on_all_settled_or_time(monkeypatch, counts, n, max_s, ended_by, seen):
+    """The timed traces wait for the server's host fill; a fake clock and /metrics drive each way it can end."""
+    clock = {"t": 0.0}
+    gauge = iter(counts)
+
+    def counters(url, api_key):
+        return {"adapters_in_host": float(next(gauge, counts[-1]))}
+
+    def sleep(s):
+        clock["t"] += s
+
+    monkeypatch.setattr(http_server_probe, "server_counters", counters)
+    monkeypatch.setattr(http_server_probe.time, "monotonic", lambda: clock["t"])
+    monkeypatch.setattr(http_server_probe.time, "sleep", sleep)
+    got = http_server_probe.wait_host_fill("http://x", None, n, max_s, settle_s=4.0, poll_s=1.0)
+    assert got["ended_by"] == ended_by and got["of"] == n
+    if seen is not None:
+        assert got["adapters_in_host"] == seen
+    assert got["waited_s"] <= max_s + 1
