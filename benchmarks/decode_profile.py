@@ -144,8 +144,9 @@ def main() -> None:
 
     cfg = ModelConfig.from_dict(preset_config("tiny" if args.tiny else "llama-2-7b"))
     gpu_tiles = default_tiles("pallas", "gpu")  # the GPU tiles even with --tiny: the profile is of the GPU setup
+    kv_token_bytes = 2 * cfg.num_hidden_layers * cfg.kv_width * 2  # K and V of every layer, bf16
     # the pool holds every sequence's context (B=256 at 448 tokens needs ~60 GB of KV), and never less than 24 GiB
-    kv_need = args.batch * (args.ctx + 16) * 2 * cfg.num_hidden_layers * cfg.kv_width * 2
+    kv_need = args.batch * (args.ctx + 16) * kv_token_bytes
     pool_bytes = (256 << 20) if args.tiny else max(24 << 30, int(kv_need * 1.05) + (2 << 30))
     ecfg = EngineConfig(max_batch_size=args.batch, max_prefill_tokens=2048, max_prefill_seqs=16,
                         max_model_len=max(1024, args.ctx + 16), page_size=16, max_lora_rank=64,
@@ -233,12 +234,12 @@ def main() -> None:
     if args.adapters:
         dims = sum(sum(cfg.module_dims(m)) for m in targets)
         lora_bytes = args.adapters * args.rank * dims * cfg.num_hidden_layers * 2
-    kv_bytes = args.batch * (args.ctx + 1) * 2 * cfg.num_hidden_layers * cfg.kv_width * 2
+    kv_bytes = args.batch * (args.ctx + 1) * kv_token_bytes
     bytes_ms = (weight_bytes + kv_bytes + lora_bytes) / (bw * 1e9) * 1e3 if bw == bw else float("nan")
     # the GEMMs read each weight once and do 2 x batch FLOPs per weight: past ~150 rows the matmul rate bounds them
     matmul_ms = args.batch * weight_bytes / (mm * 1e12) * 1e3 if mm == mm else float("nan")
     weights_ms = weight_bytes / (bw * 1e9) * 1e3 if bw == bw else float("nan")
-    floor_ms = bytes_ms - weights_ms + max(weights_ms, matmul_ms) if matmul_ms == matmul_ms else bytes_ms
+    floor_ms = bytes_ms + max(0.0, matmul_ms - weights_ms) if matmul_ms == matmul_ms else bytes_ms
     row = dict(label=args.label or f"{args.layer_loop} {' '.join(args.xla_flag)}".strip(), device=jax.devices()[0]
                .device_kind, jax=jax.__version__, commit=git_commit(), batch=args.batch, ctx=args.ctx,
                adapters=args.adapters, rank=args.rank, targets=len(targets), layer_loop=args.layer_loop,

@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -186,8 +187,8 @@ def test_the_host_fill_wait_ends_on_all_settled_or_time(monkeypatch, counts, n, 
         clock["t"] += s
 
     monkeypatch.setattr(http_server_probe, "server_counters", counters)
-    monkeypatch.setattr(http_server_probe.time, "monotonic", lambda: clock["t"])
-    monkeypatch.setattr(http_server_probe.time, "sleep", sleep)
+    # the probe's own clock only: the time module itself stays real for everything else in the process
+    monkeypatch.setattr(http_server_probe, "time", types.SimpleNamespace(monotonic=lambda: clock["t"], sleep=sleep))
     got = http_server_probe.wait_host_fill("http://x", None, n, max_s, settle_s=4.0, poll_s=1.0)
     assert got["ended_by"] == ended_by and got["of"] == n
     if seen is not None:

@@ -80,10 +80,14 @@ def cuda_lowering():
         pytest.skip(f"this jax cannot lower Pallas Triton kernels for CUDA: {type(e).__name__}: {e}")
 
 
+def cuda_text(fn, *args) -> str:
+    """``fn`` lowered for CUDA (StableHLO text)."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def triton_kernels(fn, *args) -> list[str]:
     """Names of the Triton kernels in ``fn`` lowered for CUDA, in program order."""
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if any(f"@{t}(" in line for t in TARGETS)]
+    calls = [line for line in cuda_text(fn, *args).splitlines() if any(f"@{t}(" in line for t in TARGETS)]
     return [re.search(r'\bname = "([^"]*)"', line)[1] for line in calls]
 
 
@@ -169,9 +173,8 @@ def test_decode_lora_returns_the_base_shape_from_the_kernel(mode):
         return lora(x, y, pool, layer, row_slot, table, modules, 8, d_outs, interpret=False,
                     tuning=FusedTuning(mode=mode))
 
-    text = jax.jit(fn).trace(S((batch, d_in), BF16), S((batch, width), BF16), w.pool, S((), I32), S((batch,), I32),
-                             w.table).lower(lowering_platforms=("cuda",)).as_text()
-    lines = text.splitlines()
+    lines = cuda_text(fn, S((batch, d_in), BF16), S((batch, width), BF16), w.pool, S((), I32), S((batch,), I32),
+                      w.table).splitlines()
     last_call = max(i for i, line in enumerate(lines) if any(f"@{t}(" in line for t in TARGETS))
     assert lines[last_call].endswith(f"-> tensor<{batch}x{width}xbf16>"), lines[last_call][-200:]
     assert not any("stablehlo.reshape" in line for line in lines[last_call:]), lines[last_call:]
