@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=448, help="tokens in the cache of every sequence")
     ap.add_argument("--adapters", type=int, default=32, help="distinct adapters in the batch (0 = base only)")
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--bucket", type=int, default=0,
+                    help="decode bucket the batch runs in (0: the engine's, >= the GPU's min_decode_bucket)")
     ap.add_argument("--all7", action="store_true", help="adapters on all 7 projections (default q,k,v,o)")
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
     ap.add_argument("--xla-flag", action="append", default=[])
@@ -151,7 +153,8 @@ def main() -> None:
     ecfg = EngineConfig(max_batch_size=args.batch, max_prefill_tokens=2048, max_prefill_seqs=16,
                         max_model_len=max(1024, args.ctx + 16), page_size=16, max_lora_rank=64,
                         max_loras=max(args.adapters, 1), pool_bytes=pool_bytes,
-                        dtype="float32" if args.tiny else "bfloat16", backend="pallas", min_decode_bucket=args.batch,
+                        dtype="float32" if args.tiny else "bfloat16", backend="pallas",
+                        min_decode_bucket=args.bucket or max(args.batch, gpu_tiles["min_decode_bucket"]),
                         lora_block_t=gpu_tiles["lora_block_t"], attn_block_q=gpu_tiles["attn_block_q"],
                         layer_loop=args.layer_loop)
     if args.tiny:
@@ -241,7 +244,8 @@ def main() -> None:
     weights_ms = weight_bytes / (bw * 1e9) * 1e3 if bw == bw else float("nan")
     floor_ms = bytes_ms + max(0.0, matmul_ms - weights_ms) if matmul_ms == matmul_ms else bytes_ms
     row = dict(label=args.label or f"{args.layer_loop} {' '.join(args.xla_flag)}".strip(), device=jax.devices()[0]
-               .device_kind, jax=jax.__version__, commit=git_commit(), batch=args.batch, ctx=args.ctx,
+               .device_kind, jax=jax.__version__, commit=git_commit(), batch=args.batch,
+               bucket=eng.ecfg.decode_buckets[0], ctx=args.ctx,
                adapters=args.adapters, rank=args.rank, targets=len(targets), layer_loop=args.layer_loop,
                xla_flags=os.environ.get("XLA_FLAGS", ""), compile_s=round(t_compile, 1), temp_mib=round(temp_mib, 1),
                variant=variant, step_ms=round(full_ms, 3), step_ms_again=round(full_ms2, 3),
@@ -251,7 +255,8 @@ def main() -> None:
                floor_bytes_ms=round(bytes_ms, 3), floor_matmul_ms=round(matmul_ms, 3), matmul_tflops=mm, copy_gbps=bw,
                weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9, lora_gb=lora_bytes / 1e9,
                **prof)
-    print(f"\n== {row['label']}: step ({variant}) {full_ms:.2f} ms (again {full_ms2:.2f}), with every LoRA kernel "
+    print(f"\n== {row['label']}: B={args.batch} in {row['bucket']} rows, step ({variant}) {full_ms:.2f} ms "
+          f"(again {full_ms2:.2f}), with every LoRA kernel "
           f"{all_ms:.2f} ms, without LoRA {base_ms:.2f} ms, floor "
           f"{floor_ms:.2f} ms -> x{row['x_floor']}; compile {t_compile:.0f} s, temp {temp_mib:.0f} MiB\n"
           f"   as the engine calls it (numpy batch, tokens from the last step): {engine_ms:.2f} ms per step, "

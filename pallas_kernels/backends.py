@@ -44,12 +44,16 @@ class TileDefaults:
     lora_block_t: int  # rows per SGMV tile
     attn_block_q: int  # query rows per prefill attention tile
     min_prefill_bucket: int  # smallest prefill bucket compiled
+    min_decode_bucket: int = 1  # smallest decode batch compiled
 
 
 # Interpret mode and tiny test models run fastest with small tiles (the EngineConfig defaults).
 SMALL_TILES = TileDefaults(lora_block_t=16, attn_block_q=16, min_prefill_bucket=16)
-# tl.dot-sized tiles for the compiled Triton kernels (measured in benchmarks/NOTES.md).
-TRITON_GPU_TILES = TileDefaults(lora_block_t=64, attn_block_q=128, min_prefill_bucket=128)
+# tl.dot-sized tiles for the compiled Triton kernels (measured in benchmarks/NOTES.md). Decode batches start at 4
+# rows: at one row XLA's GEMMs for o_proj and down_proj stream their weights at 57-64% of the copy bandwidth on the
+# H200, at four rows at 87-91% (benchmarks/small_matmul.py, NOTES session 16), so a lone sequence runs faster in a
+# 4-row step than in a 1-row one (the padding rows carry no context and no adapter), and 2 buckets fewer compile.
+TRITON_GPU_TILES = TileDefaults(lora_block_t=64, attn_block_q=128, min_prefill_bucket=128, min_decode_bucket=4)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -206,7 +210,8 @@ def get_backend(name: str) -> KernelBackend:
 
 
 def default_tiles(backend: str, platform: str) -> dict[str, int]:
-    """EngineConfig tile settings (lora_block_t, attn_block_q, min_prefill_bucket) of ``backend`` on ``platform``."""
+    """EngineConfig tile settings (lora_block_t, attn_block_q, min_prefill_bucket, min_decode_bucket) of ``backend``
+    on ``platform``."""
     return dataclasses.asdict(get_backend(backend).tiles_for(platform))
 
 

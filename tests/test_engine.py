@@ -199,3 +199,17 @@ def test_unrolled_layer_loop_gives_the_same_tokens(tiny_dir, adapter_dirs):
                                     adapters={k: adapter_dirs[k] for k in ("r8-all7", "r4-qkvo")}, progress=False)
         outs.append(eng.generate(prompts, adapters, SamplingParams(max_tokens=10, **GREEDY)))
     assert outs[0] == outs[1]
+
+
+def test_a_lone_sequence_in_a_padded_decode_bucket_matches_peft(tiny_dir, adapter_dirs):
+    """The GPU default decodes one sequence in a 4-row step (``min_decode_bucket``): the three padding rows carry no
+    context and no adapter, and must change nothing of the real row's tokens."""
+    import dataclasses
+
+    ecfg = dataclasses.replace(SMALL, min_decode_bucket=4, max_loras=1, decode_lora_variants=False)
+    eng = Engine.from_model_dir(tiny_dir, ecfg, adapters={"r8-all7": adapter_dirs["r8-all7"]}, progress=False)
+    assert eng.runner.ecfg.decode_buckets[0] == 4
+    rng = np.random.default_rng()
+    prompt, n = _prompt(rng, eng.cfg.vocab_size), 12
+    got = eng.generate([prompt], ["r8-all7"], SamplingParams(max_tokens=n, **GREEDY))[0]
+    assert got == hf_generate(tiny_dir, prompt, n, adapter_dirs["r8-all7"])

@@ -100,7 +100,8 @@ class EngineConfig:
     admit_while_loading: bool = False
     prefix_cache: bool = False  # share full KV pages of prompts with the same adapter and token prefix
     min_prefill_bucket: int | None = None  # None: the backend's default for the platform (with_platform_defaults)
-    min_decode_bucket: int = 1  # smallest decode batch compiled (fewer buckets = shorter warm-up)
+    # smallest decode batch compiled (fewer buckets = shorter warm-up); None: the backend's default for the platform
+    min_decode_bucket: int | None = None
     decode_lora_variants: bool = True  # compile decode steps without MLP / without any LoRA kernels (3x buckets)
     lora_block_t: int | None = None  # kernel tiles; None: the backend's default for the platform
     attn_block_q: int | None = None
@@ -155,7 +156,7 @@ class EngineConfig:
                              f"got {self.max_staged_adapters}")
         if self.page_size & (self.page_size - 1):
             raise ValueError("page_size must be a power of two")
-        for name in ("min_prefill_bucket", "lora_block_t", "attn_block_q"):
+        for name in ("min_prefill_bucket", "min_decode_bucket", "lora_block_t", "attn_block_q"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
                 raise ValueError(f"{name} must be a power of two >= 1 (or None for the backend's default), got {v}")
