@@ -18,6 +18,7 @@ import datetime
 import functools
 import itertools
 import json
+import shutil
 import tempfile
 
 from common import device_ceilings, git_commit
@@ -54,6 +55,7 @@ def device_us(fn, *args, calls: int = 3) -> float:
     jax.block_until_ready(out)
     jax.profiler.stop_trace()
     kernels = device_kernels(trace_dir)
+    shutil.rmtree(trace_dir, ignore_errors=True)
     return sum(us for _, us in kernels) / calls if kernels else float("nan")
 
 
@@ -146,7 +148,8 @@ def main() -> None:
             continue
         bench = ShapeBench(name, *shapes[name], bw, args.tiny, rng, results)
         for m in rows_full + rows_more:
-            cands = plans(bench.k, bench.n, args.tiny) if m in rows_full else best_plans(results, name, args.top)
+            cands = plans(bench.k, bench.n, args.tiny) if m in rows_full else \
+                best_plans(results, name, rows_full, args.top)
             base, best = bench.sweep(m, cands)
             b = f"best pallas {best['us']:.1f} us ({pct(best)}) {best['plan']}" if best else "no pallas plan"
             print(f"{name:8s} M={m:3d}: floor {bench.floor_us:6.1f} us  xla {base['us']:6.1f} us ({pct(base)})  {b}",
@@ -163,13 +166,14 @@ def pct(row: dict) -> str:
     return f"{row['of_bw']:.0%}" if row.get("of_bw") is not None else "-"
 
 
-def best_plans(results: list[dict], shape: str, top: int) -> list:
-    """The ``top`` fastest correct plans of ``shape`` over the full sweep's rows (by their summed time)."""
+def best_plans(results: list[dict], shape: str, rows_full: list[int], top: int) -> list:
+    """The ``top`` fastest correct plans of ``shape`` over the full sweep's rows only (by their summed time), so
+    every further row count times the same plans."""
     from pallas_kernels.small_matmul import SmallMatmulPlan
 
     tot: dict[tuple, float] = {}
     for r in results:
-        if r["shape"] == shape and r["impl"] == "pallas" and "error" not in r:
+        if r["shape"] == shape and r["impl"] == "pallas" and r["rows"] in rows_full and "error" not in r:
             tot[tuple(r["plan"])] = tot.get(tuple(r["plan"]), 0.0) + r["us"]
     return [SmallMatmulPlan(*p) for p, _ in sorted(tot.items(), key=lambda kv: kv[1])[:top]]
 

@@ -1,12 +1,13 @@
 """``x @ W`` for a few rows (decode batches): a weight-streaming GEMM whose grid covers the GPU at M = 1-16.
 
-At decode batch sizes a projection's time is the time to read its weight once. XLA's GEMMs for o_proj and down_proj
-(d_out 4096) reach 57-67% of the copy bandwidth at one row on the H200 (NOTES, session 15): 4096 output columns
-give too few column tiles to fill 132 SMs, so XLA splits the contraction and sums the parts in a second kernel.
-Here every program owns a narrow column block (``block_n``) and, where that still leaves too few programs, a
-contiguous share of the contraction (``splits``); each streams its ``[K/splits, block_n]`` slab of W once, in
-``block_k``-row tiles, against the (tiny, cached) rows of x. With one split the kernel also adds the residual and
-writes the result in x's dtype, so the projection and the residual add are one launch.
+At decode batch sizes a projection's time is the time to read its weight once. On the H200 XLA's GEMMs for o_proj
+and down_proj (d_out 4096) read theirs at 57-64% of the copy bandwidth at exactly one row, and at 87-91% at four
+(``benchmarks/small_matmul.py``, NOTES session 16). Here every program owns a narrow column block (``block_n``)
+and, where that leaves too few programs, a contiguous share of the contraction (``splits``); each streams its
+``[K/splits, block_n]`` slab of W once, in ``block_k``-row tiles, against the (tiny, cached) rows of x. With one
+split the kernel also adds the residual and writes the result in x's dtype, so projection and residual add are one
+launch. Measured: down_proj at 94% of the bandwidth at one row, ahead of XLA at 64 rows (NOTES). The serving model
+does not call it yet: GPU decode steps start at 4 rows instead (``TileDefaults.min_decode_bucket``).
 
 Rows are padded to a ``tl.dot`` tile (16) inside the kernel by masked loads; nothing is padded in memory.
 """
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.lowering import any_spec, load, next_pow2, pallas_call, resolve_interpret, store
+from pallas_kernels.lowering import any_spec, is_pow2, load, next_pow2, pallas_call, resolve_interpret, store
 from pallas_kernels.paged_attention import dot_f32
 
 _F32 = jnp.float32
@@ -39,8 +40,10 @@ class SmallMatmulPlan(NamedTuple):
 
 
 def plan_fits(plan: SmallMatmulPlan, k: int, n: int) -> bool:
-    """Whether ``plan`` tiles a [K, N] weight exactly (no masked weight loads: every load is a full tile)."""
-    return n % plan.block_n == 0 and k % (plan.block_k * plan.splits) == 0
+    """Whether ``plan`` tiles a [K, N] weight exactly (no masked weight loads: every load is a full tile) with
+    power-of-two tiles (the Triton lowering's rule; interpret mode would not catch it)."""
+    return (is_pow2(plan.block_n) and is_pow2(plan.block_k) and plan.splits >= 1 and n % plan.block_n == 0
+            and k % (plan.block_k * plan.splits) == 0)
 
 
 def _kernel(x_ref, w_ref, *refs, rows: int, rows_tile: int, block_n: int, block_k: int, k_per_split: int,
@@ -80,8 +83,8 @@ def small_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None, 
     """
     m, k = x.shape
     k2, n = w.shape
-    if k2 != k or (residual is not None and residual.shape != (m, n)):
-        raise ValueError(f"small_matmul: x {x.shape}, w {w.shape}, residual "
+    if k2 != k or w.dtype != x.dtype or (residual is not None and residual.shape != (m, n)):
+        raise ValueError(f"small_matmul: x {x.shape} {x.dtype}, w {w.shape} {w.dtype}, residual "
                          f"{None if residual is None else residual.shape} disagree")
     if not plan_fits(plan, k, n):
         raise ValueError(f"small_matmul: plan {plan} does not tile a [{k}, {n}] weight")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hf_reference import hf_generate
@@ -186,8 +188,6 @@ def test_preemption_by_recompute_matches_peft(tiny_dir, adapter_dirs):
 
 def test_unrolled_layer_loop_gives_the_same_tokens(tiny_dir, adapter_dirs):
     """layer_loop="unroll" (per-layer weights) serves exactly what the scanned stack serves."""
-    import dataclasses
-
     base = EngineConfig(max_batch_size=4, max_prefill_tokens=64, max_prefill_seqs=4, max_model_len=64, page_size=4,
                         max_lora_rank=32, max_loras=2, num_pages=256, dtype="float32", backend="reference")
     rng = np.random.default_rng()
@@ -204,8 +204,6 @@ def test_unrolled_layer_loop_gives_the_same_tokens(tiny_dir, adapter_dirs):
 def test_a_lone_sequence_in_a_padded_decode_bucket_matches_peft(tiny_dir, adapter_dirs):
     """The GPU default decodes one sequence in a 4-row step (``min_decode_bucket``): the three padding rows carry no
     context and no adapter, and must change nothing of the real row's tokens."""
-    import dataclasses
-
     ecfg = dataclasses.replace(SMALL, min_decode_bucket=4, max_loras=1, decode_lora_variants=False)
     eng = Engine.from_model_dir(tiny_dir, ecfg, adapters={"r8-all7": adapter_dirs["r8-all7"]}, progress=False)
     assert eng.runner.ecfg.decode_buckets[0] == 4

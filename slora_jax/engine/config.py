@@ -156,7 +156,7 @@ class EngineConfig:
                              f"got {self.max_staged_adapters}")
         if self.page_size & (self.page_size - 1):
             raise ValueError("page_size must be a power of two")
-        for name in ("min_prefill_bucket", "min_decode_bucket", "lora_block_t", "attn_block_q"):
+        for name in ("min_prefill_bucket", "lora_block_t", "attn_block_q"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
                 raise ValueError(f"{name} must be a power of two >= 1 (or None for the backend's default), got {v}")
