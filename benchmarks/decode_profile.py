@@ -19,6 +19,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 import zlib
@@ -82,6 +83,7 @@ def kernel_profile(step, calls: int = 5, top: int = 25) -> dict:
     out.block_until_ready()
     jax.profiler.stop_trace()
     kernels = device_kernels(trace_dir)
+    shutil.rmtree(trace_dir, ignore_errors=True)
     n = calls if kernels else 1
     per_name = collections.defaultdict(lambda: [0, 0.0])
     for name, us in kernels:
@@ -245,7 +247,7 @@ def main() -> None:
     floor_ms = bytes_ms + max(0.0, matmul_ms - weights_ms) if matmul_ms == matmul_ms else bytes_ms
     row = dict(label=args.label or f"{args.layer_loop} {' '.join(args.xla_flag)}".strip(), device=jax.devices()[0]
                .device_kind, jax=jax.__version__, commit=git_commit(), batch=args.batch,
-               bucket=next(b for b in eng.ecfg.decode_buckets if b >= args.batch), ctx=args.ctx,
+               bucket=len(token_src), ctx=args.ctx,
                adapters=args.adapters, rank=args.rank, targets=len(targets), layer_loop=args.layer_loop,
                xla_flags=os.environ.get("XLA_FLAGS", ""), compile_s=round(t_compile, 1), temp_mib=round(temp_mib, 1),
                variant=variant, step_ms=round(full_ms, 3), step_ms_again=round(full_ms2, 3),

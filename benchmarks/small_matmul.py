@@ -18,8 +18,6 @@ import datetime
 import functools
 import itertools
 import json
-import shutil
-import tempfile
 
 from common import device_ceilings, git_commit
 
@@ -42,21 +40,12 @@ def plans(k: int, n: int, tiny: bool):
     return out
 
 
-def device_us(fn, *args, calls: int = 3) -> float:
-    """Device microseconds of one call of ``fn``, all its kernels, from a profiler trace (one untraced call first)."""
-    import jax
-    from decode_profile import device_kernels
+def device_us(fn, *args) -> float:
+    """Device microseconds of one call of ``fn`` (every kernel it runs), from ``decode_profile.kernel_profile``."""
+    from decode_profile import kernel_profile
 
-    jax.block_until_ready(fn(*args))
-    trace_dir = tempfile.mkdtemp(prefix="sm_prof_")
-    jax.profiler.start_trace(trace_dir)
-    for _ in range(calls):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    jax.profiler.stop_trace()
-    kernels = device_kernels(trace_dir)
-    shutil.rmtree(trace_dir, ignore_errors=True)
-    return sum(us for _, us in kernels) / calls if kernels else float("nan")
+    prof = kernel_profile(lambda: fn(*args)[-1], calls=3)  # the outputs of one call are ready together
+    return sum(prof["device_us_per_step"].values()) if prof["kernels_per_step"] else float("nan")
 
 
 def xla_matmul(x, w, r):
@@ -105,23 +94,18 @@ class ShapeBench:
 
     def sweep(self, m: int, cands) -> tuple[dict, dict | None]:
         """XLA's time and the fastest correct plan of ``cands`` at ``m`` rows."""
+        from pallas_kernels.small_matmul import small_matmul
+
         base, best = self.measure("xla", xla_matmul, m), None
         for p in cands:
             try:
-                row = self.measure("pallas", functools.partial(pallas_matmul, plan=p), m, plan=list(p))
+                row = self.measure("pallas", functools.partial(small_matmul, plan=p), m, plan=list(p))
             except Exception as exc:  # noqa: BLE001 - a plan Triton cannot compile is a result too
                 self.results.append(dict(shape=self.name, rows=m, impl="pallas", plan=list(p), error=repr(exc)[:200]))
                 continue
             if "error" not in row and (best is None or not row["us"] >= best["us"]):  # NaN (CPU, no trace): last
                 best = row
         return base, best
-
-
-def pallas_matmul(x, w, r, *, plan):
-    """``small_matmul`` in ``xla_matmul``'s signature."""
-    from pallas_kernels.small_matmul import small_matmul
-
-    return small_matmul(x, w, r, plan=plan)
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.lowering import any_spec, is_pow2, load, next_pow2, pallas_call, resolve_interpret, store
+from pallas_kernels.lowering import any_spec, is_pow2, load, next_pow2, pallas_call, store
 from pallas_kernels.paged_attention import dot_f32
 
 _F32 = jnp.float32
@@ -47,8 +47,8 @@ def plan_fits(plan: SmallMatmulPlan, k: int, n: int) -> bool:
 
 
 def _kernel(x_ref, w_ref, *refs, rows: int, rows_tile: int, block_n: int, block_k: int, k_per_split: int,
-            fused: bool, has_residual: bool):
-    out_ref = refs[-1]
+            fused: bool):
+    out_ref = refs[-1]  # after the residual when there is one (one split only)
     j, s = pl.program_id(0), pl.program_id(1)
     r = jnp.arange(rows_tile, dtype=jnp.int32)
     r_ok = r < rows
@@ -63,7 +63,7 @@ def _kernel(x_ref, w_ref, *refs, rows: int, rows_tile: int, block_n: int, block_
 
     acc = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((rows_tile, block_n), _F32))
     if fused:  # one split: the whole sum here, plus the residual, in the output dtype
-        if has_residual:
+        if len(refs) == 2:
             res = load(refs[0].at[r[:, None], n[None, :]], mask=r_ok[:, None], other=0.0)
             acc = acc + res.astype(_F32)
         store(out_ref.at[r[:, None], n[None, :]], acc.astype(out_ref.dtype), mask=r_ok[:, None])
@@ -91,15 +91,14 @@ def small_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None, 
     rows_tile = max(MIN_ROWS_TILE, next_pow2(m))
     fused_residual = plan.splits == 1
     kernel = functools.partial(_kernel, rows=m, rows_tile=rows_tile, block_n=plan.block_n, block_k=plan.block_k,
-                               k_per_split=k // plan.splits, fused=fused_residual,
-                               has_residual=fused_residual and residual is not None)
+                               k_per_split=k // plan.splits, fused=fused_residual)
     if fused_residual:
         out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
     else:
         out_shape = jax.ShapeDtypeStruct((plan.splits, m, n), _F32)
     args = (x, w) if residual is None or not fused_residual else (x, w, residual)
     out = pallas_call(kernel, out_shape=out_shape, grid=(n // plan.block_n, plan.splits),
-                      in_specs=[any_spec()] * len(args), out_specs=any_spec(), interpret=resolve_interpret(interpret),
+                      in_specs=[any_spec()] * len(args), out_specs=any_spec(), interpret=interpret,
                       num_warps=plan.num_warps, num_stages=plan.num_stages, name="small_matmul")(*args)
     if fused_residual:
         return out
