@@ -122,6 +122,7 @@ def main() -> None:
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
     ap.add_argument("--xla-flag", action="append", default=[])
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--top", type=int, default=25, help="kernels listed (by device time) in the table and the JSON")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None, help="append one JSON line here")
     args = ap.parse_args()
@@ -233,7 +234,7 @@ def main() -> None:
     as_engine(2)  # its first call compiles (a layout of its own): 6 s, which read as ~200 ms a step over 30 steps
     engine_ms, dispatch_ms = as_engine(args.iters)
 
-    prof = NO_KERNELS if args.tiny else kernel_profile(full)  # the trace needs a GPU
+    prof = NO_KERNELS if args.tiny else kernel_profile(full, top=args.top)  # the trace needs a GPU
 
     lora_bytes = 0
     if args.adapters:
@@ -263,7 +264,7 @@ def main() -> None:
           f"{floor_ms:.2f} ms -> x{row['x_floor']}; compile {t_compile:.0f} s, temp {temp_mib:.0f} MiB\n"
           f"   as the engine calls it (numpy batch, tokens from the last step): {engine_ms:.2f} ms per step, "
           f"{dispatch_ms:.2f} ms of it inside the call (median)")
-    print_kernel_profile(prof, 25)
+    print_kernel_profile(prof, args.top)
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -41,7 +41,8 @@ class Tuning(NamedTuple):
 
     tile_elems: adapter elements one program loads per loop step (BGMV); num_warps: Triton warps per program;
     splits: programs sharing one d_in reduction (shrink); vecs: output vectors of V columns per program (SGMV expand);
-    pipeline: double-buffer tiles in registers (BGMV shrink).
+    pipeline: double-buffer tiles in registers (BGMV shrink); rank_block: rank columns one program computes (SGMV
+    shrink; programs of rank blocks past the batch's largest rank return at once).
     """
 
     tile_elems: int | None = None
@@ -49,6 +50,7 @@ class Tuning(NamedTuple):
     splits: int | None = None
     vecs: int | None = None
     pipeline: bool | None = None
+    rank_block: int | None = None
 
 
 def layer_args(layer, pool_shape) -> tuple[jax.Array, jax.Array]:

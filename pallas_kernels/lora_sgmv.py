@@ -148,8 +148,8 @@ def _shrink_kernel(layer_ref, lbase_ref, start_ref, len_ref, slot_ref, rank_ref,
             store(y_ref.at[sp, rows[:, None], i, k[None, :]], acc, mask=rmask[:, None])
 
 
-def _shrink_plan(n_tiles, max_rank, n_chunks, interpret, splits):
-    r_blk = min(max(next_pow2(max_rank), MIN_DOT), MAX_R_BLK)
+def _shrink_plan(n_tiles, max_rank, n_chunks, interpret, splits, rank_block=None):
+    r_blk = min(max(next_pow2(rank_block or max_rank), MIN_DOT), MAX_R_BLK, max(next_pow2(max_rank), MIN_DOT))
     n_rblk = -(-max_rank // r_blk)
     if splits is None:
         target = 1 if interpret else GPU_TARGET_PROGRAMS
@@ -177,7 +177,8 @@ def sgmv_shrink(x: jax.Array, pool: jax.Array, layer, tiles: SegmentTiles, table
     n_chunks = d_in // vdim
     n_mod = len(modules)
     n_tiles = tiles.start.shape[0]
-    r_blk, n_rblk, splits, iters = _shrink_plan(n_tiles, max_rank, n_chunks, interpret, tuning.splits)
+    r_blk, n_rblk, splits, iters = _shrink_plan(n_tiles, max_rank, n_chunks, interpret, tuning.splits,
+                                                tuning.rank_block)
     kernel = functools.partial(_shrink_kernel, modules=tuple(modules), block_t=block_t, r_blk=r_blk, splits=splits,
                                iters=iters, n_chunks=n_chunks, page_rows=page_rows, vdim=vdim,
                                dot_dtype=_dot_dtype(x.dtype, pool.dtype))
