@@ -4,13 +4,14 @@
     PYTHONPATH=.:benchmarks python benchmarks/sgmv_sweep.py --tiny              # CPU smoke run (interpret mode)
 
 A saturated S1 prefill step (NOTES, session 15) spends 1.77 ms of 14 ms in these kernels for 512 tokens, against
-~0.3 ms of bytes. This script takes one Llama-2-7B layer's module groups (q,k,v and o for S1; gate,up and down for
-all-7) at the engine's bucket shapes (a 1024-row bucket holding two 260-token prompts, 2048 rows of eight 256-token
-prompts), rank-8 adapters under the server's max rank of 64, and for every setting of the row tile (``block_t``,
-which sets the tile count as the engine pads it), shrink rank block and d_in splits, expand vectors per program and
-warps: checks the result against the jnp reference (fresh random inputs), then takes the device time of every
-kernel of the call (the split sum and the zero fill included) from a profiler trace. The floor is the call's bytes
-(x read; y written and read; base read and written; adapter rows) over torch's copy bandwidth.
+~0.3 ms of bytes. This script takes one Llama-2-7B layer's module groups (q,k,v and o for S1; down for all-7) at the
+engine's bucket shapes (a 1024-row bucket holding two 260-token prompts, 2048 rows of eight 256-token prompts),
+rank-8 adapters under the server's max rank of 64, and for every setting of the row tile (``block_t``, which sets
+the tile count as the engine pads it), the shrink's rank block, d_in splits and chunks a loop step, the expand's
+vectors a program (looped, or loaded together) and warps: checks the result against the jnp reference (fresh random
+inputs), then takes the device time of the call's own kernels (the split sum and the zero fill included; not the
+copy of ``base`` XLA makes here because the input is not donated) from a profiler trace. The floor is the group's
+bytes (x read; y written and read; base read and written; adapter rows) over torch's copy bandwidth.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import functools
 import itertools
 import json
 import os
+import re
 
 from common import device_ceilings, git_commit
 
@@ -56,12 +58,13 @@ def main() -> None:
     if args.tiny:
         hidden, inter, vdim, page_rows = 64, 96, 16, 32
         cases = [("T64 2x20", 64, (20, 20))]
-        block_ts, rank_blocks, splits_l, vecs_l, warps_l = (8, 16), (None,), (None, 1), (None, 1), (4,)
+        block_ts, rank_blocks, splits_l, vecs_l, warps_l, unrolls = (8, 16), (None,), (None, 1), (None, 1), (4,), \
+            (None, 2)
     else:
         hidden, inter, vdim, page_rows = 4096, 11008, 128, 1024
         cases = [("T1024 2x260", 1024, (260, 260)), ("T2048 8x256", 2048, (256,) * 8)]
-        block_ts, rank_blocks, splits_l, vecs_l, warps_l = (32, 64, 128), (None, 16), (None, 1, 4), \
-            (None, 1, 2), (4, 8)
+        block_ts, rank_blocks, splits_l, vecs_l, warps_l, unrolls = (32, 64, 128), (None, 16), (None, 2, 4), \
+            (None, 1, 2, 8), (4, 8), (None, 4, 8)
     dims = ((hidden, hidden), (hidden, hidden), (hidden, hidden), (hidden, hidden), (hidden, inter), (hidden, inter),
             (inter, hidden))
     groups = {"qkv": (0, 1, 2), "o": (3,), "gate_up": (4, 5), "down": (6,)}
@@ -101,15 +104,19 @@ def main() -> None:
             jobs = {}  # (kernel, block_t, knobs) -> (jitted fn, args)
             for bt in block_ts:
                 tiles = make_tiles(row_slot, bt, -(-n_rows // bt) + MAX_PREFILL_SEQS + 1)
-                for rb, sp, w in itertools.product(rank_blocks, splits_l, warps_l):
+                shrink_knobs = [(None, None, 8, None)] + list(itertools.product(rank_blocks, splits_l, (4,), unrolls))
+                for rb, sp, w, un in shrink_knobs:
                     fn = jax.jit(functools.partial(sgmv_shrink, modules=modules, max_rank=args.max_rank, block_t=bt,
-                                                   tuning=Tuning(rank_block=rb, splits=sp, num_warps=w)))
-                    jobs["shrink", bt, (("rank_block", rb), ("splits", sp), ("warps", w))] = \
+                                                   tuning=Tuning(rank_block=rb, splits=sp, num_warps=w, unroll=un)))
+                    jobs["shrink", bt, (("rank_block", rb), ("splits", sp), ("warps", w), ("unroll", un))] = \
                         (fn, (x, pool, layer, tiles, table))
-                for vv, w in itertools.product(vecs_l, warps_l):
+                for vv, w, un in itertools.product(vecs_l, warps_l, (None, 1)):
+                    if un and (vv or 4) == 1:
+                        continue  # one vector a program: nothing to issue together
                     fn = jax.jit(functools.partial(sgmv_expand, modules=modules, d_outs=d_outs, block_t=bt,
-                                                   tuning=Tuning(vecs=vv, num_warps=w)))
-                    jobs["expand", bt, (("vecs", vv), ("warps", w))] = (fn, [None, base, pool, layer, tiles, table])
+                                                   tuning=Tuning(vecs=vv, num_warps=w, unroll=un)))
+                    jobs["expand", bt, (("vecs", vv), ("warps", w), ("unroll", un))] = \
+                        (fn, [None, base, pool, layer, tiles, table])
             tiles0 = make_tiles(row_slot, block_ts[0], -(-n_rows // block_ts[0]) + MAX_PREFILL_SEQS + 1)
             y_ref = sgmv_shrink_reference(x, pool, layer, tiles0, table, modules, args.max_rank, block_ts[0])
             delta = np.asarray(sgmv_expand_reference(y_ref, base, pool, layer, tiles0, table, modules, d_outs,
@@ -133,8 +140,8 @@ def main() -> None:
                 us = float("nan") if args.tiny else _device_us(kernel_profile, call, *fargs)
                 results.append(dict(case=case, group=g, kernel=kern, block_t=bt, **dict(knobs), us=us, rel_err=err))
             rows = [r for r in results if r["case"] == case and r["group"] == g]
-            for kern, default in (("shrink", dict(block_t=64, rank_block=None, splits=None, warps=8)),
-                                  ("expand", dict(block_t=64, vecs=None, warps=8))):
+            for kern, default in (("shrink", dict(block_t=64, rank_block=None, splits=None, warps=8, unroll=None)),
+                                  ("expand", dict(block_t=64, vecs=None, warps=8, unroll=None))):
                 mine = sorted((r for r in rows if r["kernel"] == kern), key=lambda r: r["us"])
                 dflt = [r for r in mine if all(r.get(k) == v for k, v in default.items())]
                 best = mine[0]
@@ -154,8 +161,11 @@ def main() -> None:
 
 
 def _device_us(kernel_profile, fn, *args) -> float:
-    prof = kernel_profile(lambda: fn(*args), calls=3)
-    return sum(prof["device_us_per_step"].values()) if prof["kernels_per_step"] else float("nan")
+    """Device us of the call's own kernels: the Pallas kernel, the split sum and the zero fill of y. Not the copy XLA
+    makes of ``base`` (not donated here) for the expand's in-place output, which a step does not make."""
+    prof = kernel_profile(lambda: fn(*args), calls=3, top=50)
+    own = [us for name, _, us in prof["top_kernels"] if re.search(r"sgmv|reduce|memset", name, re.I)]
+    return sum(own) if prof["kernels_per_step"] else float("nan")
 
 
 if __name__ == "__main__":

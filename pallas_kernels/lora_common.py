@@ -42,7 +42,9 @@ class Tuning(NamedTuple):
     tile_elems: adapter elements one program loads per loop step (BGMV); num_warps: Triton warps per program;
     splits: programs sharing one d_in reduction (shrink); vecs: output vectors of V columns per program (SGMV expand);
     pipeline: double-buffer tiles in registers (BGMV shrink); rank_block: rank columns one program computes (SGMV
-    shrink; programs of rank blocks past the batch's largest rank return at once).
+    shrink; programs of rank blocks past the batch's largest rank return at once); unroll: vectors whose loads a
+    program issues together, before their dots (SGMV: d_in chunks per loop step of the shrink; the expand's
+    ``vecs`` output vectors at once when > 1).
     """
 
     tile_elems: int | None = None
@@ -51,6 +53,7 @@ class Tuning(NamedTuple):
     vecs: int | None = None
     pipeline: bool | None = None
     rank_block: int | None = None
+    unroll: int | None = None
 
 
 def layer_args(layer, pool_shape) -> tuple[jax.Array, jax.Array]:

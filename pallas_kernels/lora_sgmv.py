@@ -111,8 +111,8 @@ def _dot(a, b, dtype, *, transpose_b: bool):
 
 
 def _shrink_kernel(layer_ref, lbase_ref, start_ref, len_ref, slot_ref, rank_ref, aoff_ref, pages_ref, x_ref,
-                   pool_ref, _y_in, y_ref, *, modules, block_t, r_blk, splits, iters, n_chunks, page_rows, vdim,
-                   dot_dtype):
+                   pool_ref, _y_in, y_ref, *, modules, block_t, r_blk, splits, iters, unroll, n_chunks, page_rows,
+                   vdim, dot_dtype):
     g, q = pl.program_id(0), pl.program_id(1)
     rb, sp = lax.div(q, splits), lax.rem(q, splits)
     slot, length = slot_ref[g], len_ref[g]
@@ -133,13 +133,19 @@ def _shrink_kernel(layer_ref, lbase_ref, start_ref, len_ref, slot_ref, rank_ref,
     @pl.when(active)
     def _():
         def step(j, accs):
-            c = sp * iters + j
-            cvalid = c < n_chunks
-            xt = load(x_ref.at[rows[:, None], c * vdim + lane[None, :]], mask=rmask[:, None] & cvalid, other=0)
+            # `unroll` chunks a step: every load of the step is issued before its dots
+            cs = [(sp * iters + j) * unroll + u for u in range(unroll)]
+            valid = [c < n_chunks for c in cs]
+            xts = [load(x_ref.at[rows[:, None], c * vdim + lane[None, :]], mask=rmask[:, None] & cv, other=0)
+                   for c, cv in zip(cs, valid, strict=True)]
+            a_tiles = [[_row_gather(pool_ref, pages_ref, lbase, s, row_start + c, (k < rank) & cv, page_rows, vdim)
+                        for c, cv in zip(cs, valid, strict=True)] for rank, row_start in zip(ranks, row_starts,
+                                                                                             strict=True)]
             new = []
-            for acc, rank, row_start in zip(accs, ranks, row_starts, strict=True):
-                a = _row_gather(pool_ref, pages_ref, lbase, s, row_start + c, (k < rank) & cvalid, page_rows, vdim)
-                new.append(acc + _dot(xt, a, dot_dtype, transpose_b=True))
+            for acc, tiles in zip(accs, a_tiles, strict=True):
+                for xt, a in zip(xts, tiles, strict=True):
+                    acc = acc + _dot(xt, a, dot_dtype, transpose_b=True)
+                new.append(acc)
             return tuple(new)
 
         init = tuple(jnp.zeros((block_t, r_blk), _F32) for _ in modules)
@@ -148,15 +154,18 @@ def _shrink_kernel(layer_ref, lbase_ref, start_ref, len_ref, slot_ref, rank_ref,
             store(y_ref.at[sp, rows[:, None], i, k[None, :]], acc, mask=rmask[:, None])
 
 
-def _shrink_plan(n_tiles, max_rank, n_chunks, interpret, splits, rank_block=None):
+def _shrink_plan(n_tiles, max_rank, n_chunks, interpret, splits, rank_block=None, unroll=None):
+    """(rank block, rank blocks, d_in splits, loop steps a split, chunks a step)."""
     r_blk = min(max(next_pow2(rank_block or max_rank), MIN_DOT), MAX_R_BLK, max(next_pow2(max_rank), MIN_DOT))
     n_rblk = -(-max_rank // r_blk)
+    unroll = max(1, min(unroll or 1, n_chunks))
+    n_steps = -(-n_chunks // unroll)  # loop steps of `unroll` chunks over the whole of d_in
     if splits is None:
         target = 1 if interpret else GPU_TARGET_PROGRAMS
-        splits = max(1, min(n_chunks, -(-target // (n_tiles * n_rblk))))
-    iters = -(-n_chunks // splits)
-    splits = -(-n_chunks // iters)
-    return r_blk, n_rblk, splits, iters
+        splits = max(1, min(n_steps, -(-target // (n_tiles * n_rblk))))
+    iters = -(-n_steps // splits)
+    splits = -(-n_steps // iters)
+    return r_blk, n_rblk, splits, iters, unroll
 
 
 @functools.partial(jax.jit, static_argnames=("modules", "max_rank", "block_t", "interpret", "tuning"))
@@ -177,10 +186,10 @@ def sgmv_shrink(x: jax.Array, pool: jax.Array, layer, tiles: SegmentTiles, table
     n_chunks = d_in // vdim
     n_mod = len(modules)
     n_tiles = tiles.start.shape[0]
-    r_blk, n_rblk, splits, iters = _shrink_plan(n_tiles, max_rank, n_chunks, interpret, tuning.splits,
-                                                tuning.rank_block)
+    r_blk, n_rblk, splits, iters, unroll = _shrink_plan(n_tiles, max_rank, n_chunks, interpret, tuning.splits,
+                                                        tuning.rank_block, tuning.unroll)
     kernel = functools.partial(_shrink_kernel, modules=tuple(modules), block_t=block_t, r_blk=r_blk, splits=splits,
-                               iters=iters, n_chunks=n_chunks, page_rows=page_rows, vdim=vdim,
+                               iters=iters, unroll=unroll, n_chunks=n_chunks, page_rows=page_rows, vdim=vdim,
                                dot_dtype=_dot_dtype(x.dtype, pool.dtype))
     y_shape = (splits, n_rows, n_mod, n_rblk * r_blk)
     y = pallas_call(
@@ -202,7 +211,7 @@ def sgmv_shrink(x: jax.Array, pool: jax.Array, layer, tiles: SegmentTiles, table
 
 def _expand_kernel(layer_ref, lbase_ref, start_ref, len_ref, slot_ref, rank_ref, boff_ref, scale_ref, pages_ref,
                    y_ref, pool_ref, base_ref, out_ref, *, modules, out_vecs, col_starts, blk_starts, n_blk, block_t,
-                   r_blk, max_rank, page_rows, vdim, dot_dtype):
+                   r_blk, max_rank, page_rows, vdim, dot_dtype, hoist):
     g, j = pl.program_id(0), pl.program_id(1)
     i, m, n_out = block_module(j, blk_starts, modules, out_vecs)
     slot, length = slot_ref[g], len_ref[g]
@@ -224,19 +233,30 @@ def _expand_kernel(layer_ref, lbase_ref, start_ref, len_ref, slot_ref, rank_ref,
         first = (j - pick(i, blk_starts)) * n_blk
         col0 = pick(i, col_starts)
 
-        def step(c_local, carry):
-            cv = first + c_local
+        def one(cv, b, old):
+            delta = _dot(yt, b, dot_dtype, transpose_b=False)
+            store(out_ref.at[rows[:, None], ((col0 + cv) * vdim + lane)[None, :]],
+                  (old.astype(_F32) + delta * scale).astype(out_ref.dtype), mask=rmask[:, None] & (cv < n_out))
+
+        def loads(cv):
             cvalid = cv < n_out
             b = _row_gather(pool_ref, pages_ref, lbase, s, b_row + cv, kmask & cvalid, page_rows, vdim)
-            delta = _dot(yt, b, dot_dtype, transpose_b=False)
-            cols = ((col0 + cv) * vdim + lane)[None, :]
-            mask = rmask[:, None] & cvalid
-            old = load(base_ref.at[rows[:, None], cols], mask=mask, other=0)
-            store(out_ref.at[rows[:, None], cols], (old.astype(_F32) + delta * scale).astype(out_ref.dtype),
-                  mask=mask)
-            return carry
+            old = load(base_ref.at[rows[:, None], ((col0 + cv) * vdim + lane)[None, :]],
+                       mask=rmask[:, None] & cvalid, other=0)
+            return b, old
 
-        lax.fori_loop(0, n_blk, step, jnp.int32(0))
+        if hoist:  # every vector's loads first (the stores write the columns just read: no other program's)
+            cvs = [first + c for c in range(n_blk)]
+            tiles = [loads(cv) for cv in cvs]
+            for cv, (b, old) in zip(cvs, tiles, strict=True):
+                one(cv, b, old)
+        else:
+            def step(c_local, carry):
+                cv = first + c_local
+                one(cv, *loads(cv))
+                return carry
+
+            lax.fori_loop(0, n_blk, step, jnp.int32(0))
 
 
 @functools.partial(jax.jit, static_argnames=("modules", "d_outs", "block_t", "interpret", "tuning"))
@@ -265,7 +285,8 @@ def sgmv_expand(y: jax.Array, base: jax.Array, pool: jax.Array, layer, tiles: Se
     kernel = functools.partial(_expand_kernel, modules=tuple(modules), out_vecs=out_vecs, col_starts=col_starts,
                                blk_starts=blk_starts, n_blk=expand_vecs, block_t=block_t, r_blk=r_blk,
                                max_rank=max_rank, page_rows=page_rows, vdim=vdim,
-                               dot_dtype=_dot_dtype(base.dtype, pool.dtype))
+                               dot_dtype=_dot_dtype(base.dtype, pool.dtype), hoist=bool(tuning.unroll)
+                               and expand_vecs > 1)
     return pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(base.shape, base.dtype),
