@@ -122,6 +122,9 @@ def main() -> None:
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
     ap.add_argument("--xla-flag", action="append", default=[])
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--unfused-rope", action="store_true",
+                    help="rotate q, k in XLA and scatter the KV before attending (decode_rope_in_attention "
+                         "off), the path before session 17")
     ap.add_argument("--top", type=int, default=25, help="kernels listed (by device time) in the table and the JSON")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None, help="append one JSON line here")
@@ -159,7 +162,7 @@ def main() -> None:
                         dtype="float32" if args.tiny else "bfloat16", backend="pallas",
                         min_decode_bucket=args.bucket or max(args.batch, gpu_tiles["min_decode_bucket"]),
                         lora_block_t=gpu_tiles["lora_block_t"], attn_block_q=gpu_tiles["attn_block_q"],
-                        layer_loop=args.layer_loop)
+                        layer_loop=args.layer_loop, decode_rope_in_attention=not args.unfused_rope)
     if args.tiny:
         params = init_params(cfg, jax.random.PRNGKey(0))
     else:
@@ -246,7 +249,8 @@ def main() -> None:
     matmul_ms = args.batch * weight_bytes / (mm * 1e12) * 1e3 if mm == mm else float("nan")
     weights_ms = weight_bytes / (bw * 1e9) * 1e3 if bw == bw else float("nan")
     floor_ms = bytes_ms + max(0.0, matmul_ms - weights_ms) if matmul_ms == matmul_ms else bytes_ms
-    row = dict(label=args.label or f"{args.layer_loop} {' '.join(args.xla_flag)}".strip(), device=jax.devices()[0]
+    row = dict(label=args.label or f"{args.layer_loop} {' '.join(args.xla_flag)}".strip(),
+               rope_in_attention=not args.unfused_rope, device=jax.devices()[0]
                .device_kind, jax=jax.__version__, commit=git_commit(), batch=args.batch,
                bucket=len(token_src), ctx=args.ctx,
                adapters=args.adapters, rank=args.rank, targets=len(targets), layer_loop=args.layer_loop,

@@ -16,6 +16,9 @@ Role signatures (``interpret`` is ignored by backends without an interpret mode;
 * ``sgmv_shrink(x, pool, layer, tiles, table, modules, max_rank, block_t, *, interpret)``: as bgmv_shrink
 * ``sgmv_expand(y, base, pool, layer, tiles, table, modules, d_outs, block_t, *, interpret)``: as bgmv_expand
 * ``decode_attention(q, pool, layer, page_table, context_lens, *, page_size, num_kv_heads, sm_scale, interpret)``
+* ``decode_attention_rope(qkv, cos, sin, pool, layer, page_table, context_lens, kv_slots, *, page_size, num_heads,
+  num_kv_heads, sm_scale, interpret)`` -> (out, pool): the decode step's q/k rotation, KV write and attention in one
+  call (the serving forward's decode path on one device; ``decode_attention`` + ``write_kv`` serve the rest)
 * ``prefill_attention(q, pool, layer, page_table, q_starts, context_lens, *, tile_map, block_q, page_size,
   num_kv_heads, sm_scale, interpret)``
 * ``write_kv(pool, layer, k, v, slots, page_size)`` -> pool
@@ -45,6 +48,10 @@ class TileDefaults:
     attn_block_q: int  # query rows per prefill attention tile
     min_prefill_bucket: int  # smallest prefill bucket compiled
     min_decode_bucket: int = 1  # smallest decode batch compiled
+    # decode rotates q, k and writes the new KV inside its attention kernel (decode_attention_rope). Off where the
+    # kernels run in interpret mode: there the aliased pool output is copied on every grid step (~80x slower tiny
+    # decode steps on CPU); the CPU tests call that path explicitly.
+    decode_rope_in_attention: bool = False
 
 
 # Interpret mode and tiny test models run fastest with small tiles (the EngineConfig defaults).
@@ -53,7 +60,8 @@ SMALL_TILES = TileDefaults(lora_block_t=16, attn_block_q=16, min_prefill_bucket=
 # rows: at one row XLA's GEMMs for o_proj and down_proj stream their weights at 57-64% of the copy bandwidth on the
 # H200, at four rows at 87-91% (benchmarks/small_matmul.py, NOTES session 16), so a lone sequence runs faster in a
 # 4-row step than in a 1-row one (the padding rows carry no context and no adapter), and 2 buckets fewer compile.
-TRITON_GPU_TILES = TileDefaults(lora_block_t=64, attn_block_q=128, min_prefill_bucket=128, min_decode_bucket=4)
+TRITON_GPU_TILES = TileDefaults(lora_block_t=64, attn_block_q=128, min_prefill_bucket=128, min_decode_bucket=4,
+                                decode_rope_in_attention=True)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -67,6 +75,7 @@ class KernelBackend:
     sgmv_shrink: Callable
     sgmv_expand: Callable
     decode_attention: Callable
+    decode_attention_rope: Callable
     prefill_attention: Callable
     write_kv: Callable
     tiles: Mapping[str, TileDefaults]  # platform (jax.default_backend(): "cpu", "gpu", ...) -> settings
@@ -100,6 +109,7 @@ REFERENCE = KernelBackend(
     sgmv_shrink=lora_sgmv.sgmv_shrink_reference,
     sgmv_expand=lora_sgmv.sgmv_expand_reference,
     decode_attention=paged_attention.paged_decode_attention_reference,
+    decode_attention_rope=paged_attention.paged_decode_attention_rope_reference,
     prefill_attention=_reference_prefill_attention,
     write_kv=kv_cache.write_kv,
     # the same tiles as the Pallas backend: block_t shapes the SGMV reference's inputs, and on a GPU a reference run
@@ -115,6 +125,7 @@ PALLAS_TRITON = KernelBackend(
     sgmv_shrink=lora_sgmv.sgmv_shrink,
     sgmv_expand=lora_sgmv.sgmv_expand,
     decode_attention=paged_attention.paged_decode_attention,
+    decode_attention_rope=paged_attention.paged_decode_attention_rope,
     prefill_attention=prefill_attention.paged_prefill_attention,
     write_kv=kv_cache.write_kv,
     tiles={"cpu": SMALL_TILES, "gpu": TRITON_GPU_TILES},
@@ -209,9 +220,9 @@ def get_backend(name: str) -> KernelBackend:
         raise ValueError(f"unknown kernel backend {name!r}; known: {', '.join(backend_names())}") from None
 
 
-def default_tiles(backend: str, platform: str) -> dict[str, int]:
-    """EngineConfig tile settings (lora_block_t, attn_block_q, min_prefill_bucket, min_decode_bucket) of ``backend``
-    on ``platform``."""
+def default_tiles(backend: str, platform: str) -> dict[str, int | bool]:
+    """EngineConfig settings (lora_block_t, attn_block_q, min_prefill_bucket, min_decode_bucket,
+    decode_rope_in_attention) of ``backend`` on ``platform``."""
     return dataclasses.asdict(get_backend(backend).tiles_for(platform))
 
 

@@ -29,8 +29,13 @@ from pallas_kernels.lora_common import AdapterTable, Tuning, block_module, layer
 from pallas_kernels.lowering import any_spec, load, next_pow2, pallas_call, resolve_interpret, store
 
 GPU_TARGET_PROGRAMS = 264  # 2 per SM: prefill programs are long (they stream block_t rows of x)
-GPU_WARPS = 8  # fewer registers per thread than 4 warps for these tile shapes (no spills at rank 64)
+GPU_WARPS = 8  # expand: fewer registers per thread than 4 warps for these tile shapes (no spills at rank 64)
 GPU_EXPAND_VECS = 4  # output vectors (of V columns) per expand program
+# The shrink's GPU plan, measured on the H200 at the serving step's shapes (benchmarks/sgmv_sweep.py, NOTES session
+# 17: rank-8 adapters under max rank 64, 1024- and 2048-row buckets; 26% less time summed over q,k,v / o / down than
+# the 264-program heuristic with 64-wide rank blocks and 8 warps): 16-wide rank blocks (programs past an adapter's
+# rank return at once), d_in in 4 splits, 4 chunks of V loaded together a loop step, 4 warps.
+GPU_SHRINK = Tuning(num_warps=4, splits=4, rank_block=16, unroll=4)
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 MAX_R_BLK = 64
 
@@ -178,7 +183,12 @@ def sgmv_shrink(x: jax.Array, pool: jax.Array, layer, tiles: SegmentTiles, table
     :func:`make_tiles` with the same ``block_t`` (static; >= 16 on the GPU); modules: static ids sharing x;
     max_rank: static >= every rank. Returns float32[T, len(modules), max_rank]. ``tuning``: splits, num_warps.
     """
-    interpret, tuning = resolve_interpret(interpret), tuning or Tuning()
+    interpret = resolve_interpret(interpret)
+    tuning = tuning or Tuning()
+    if not interpret:  # unset knobs from the measured GPU plan; float32 tiles load half as many chunks at once
+        gpu_plan = GPU_SHRINK if jnp.dtype(_dot_dtype(x.dtype, pool.dtype)).itemsize == 2 else \
+            GPU_SHRINK._replace(unroll=GPU_SHRINK.unroll // 2)
+        tuning = Tuning(*(mine if mine is not None else gpu for mine, gpu in zip(tuning, gpu_plan, strict=True)))
     n_rows, d_in = x.shape
     _, _, page_rows, vdim = pool.shape
     assert d_in % vdim == 0, (d_in, vdim)

@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kv_cache import gather_kv_reference, token_slots, write_kv
-from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from pallas_kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    paged_decode_attention_rope,
+    paged_decode_attention_rope_reference,
+)
 from pallas_kernels.prefill_attention import (
     default_prefill_tiles,
     paged_prefill_attention,
@@ -34,6 +39,8 @@ jit_token_slots = jax.jit(token_slots, static_argnums=3)
 jit_write_kv = jax.jit(write_kv, static_argnums=5)
 decode_reference = jax.jit(paged_decode_attention_reference,
                            static_argnames=("page_size", "num_kv_heads", "sm_scale", "num_splits"))
+rope_reference_jit = jax.jit(paged_decode_attention_rope_reference,
+                             static_argnames=("page_size", "num_heads", "num_kv_heads", "sm_scale"))
 prefill_reference = jax.jit(paged_prefill_attention_reference,
                             static_argnames=("page_size", "num_kv_heads", "sm_scale", "block_q"))
 
@@ -199,6 +206,89 @@ def test_paged_decode_bf16_pool():
     assert_close(out, decode_reference(*args, **kw), 2e-2)
 
 
+# ------------------------------------------------------------------------------------ decode with RoPE and KV write
+
+ROPE_CASES = [  # (num_kv_heads, num_heads, head_dim, page_size, num_splits, lens)
+    # one split; a context of only the new token; the new token alone in a 64-token block (65 = 64 + 1); padding
+    pytest.param(2, 2, 64, 16, 1, [65, 1, 140, 0], id="mha-one-split"),
+    pytest.param(1, 4, 128, 8, 3, [129, 2, 300, 0], id="gqa4-three-splits"),
+    pytest.param(1, 8, 64, 16, None, [257, 37, 1, 0], id="gqa8-default-splits"),
+]
+
+
+def rope_case(rng, num_kv_heads, num_heads, head_dim, page_size, lens, dtype):
+    """A cache holding each sequence's first ``len - 1`` tokens (the new token's slot holds junk), the step's
+    unrotated qkv rows, cos/sin of the new positions and the new tokens' slots."""
+    lens = np.asarray(lens, np.int32)
+    cache = build_cache(rng, lens, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype)
+    positions = np.maximum(lens - 1, 0)
+    slots = np.asarray(jit_token_slots(jnp.asarray(cache.page_table), jnp.asarray(np.where(lens > 0, 0, -1) +
+                                       np.arange(len(lens)) * (lens > 0)), jnp.asarray(positions), page_size))
+    slots = np.where(lens > 0, slots, -1).astype(np.int32)
+    # poison the new token's slot: a kernel that read it instead of its registers would go wrong
+    pool = np.array(cache.pool, np.float32)
+    kv_view = pool.reshape(pool.shape[0], pool.shape[1], 2, num_kv_heads, page_size, head_dim)
+    for slot in slots[slots >= 0]:
+        kv_view[cache.layer, slot // page_size, :, :, slot % page_size] = 3e4
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = rng.standard_normal((len(lens), width)).astype(np.float32)
+    inv = 1.0 / 10000 ** (np.arange(0, head_dim, 2) / head_dim)
+    angles = positions[:, None] * inv[None, :]
+    angles = np.concatenate([angles, angles], axis=1)
+    return cache, jnp.asarray(pool, dtype), qkv, np.cos(angles).astype(np.float32), np.sin(angles).astype(
+        np.float32), slots
+
+
+def rotate_np(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + np.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
+
+
+@pytest.mark.parametrize("num_kv_heads,num_heads,head_dim,page_size,num_splits,lens", ROPE_CASES)
+def test_paged_decode_rope_matches_unfused_steps_and_dense(num_kv_heads, num_heads, head_dim, page_size, num_splits,
+                                                           lens):
+    rng = np.random.default_rng()
+    cache, pool, qkv, cos, sin, slots = rope_case(rng, num_kv_heads, num_heads, head_dim, page_size, lens,
+                                                  jnp.float32)
+    lens = np.asarray(lens, np.int32)
+    sm_scale = head_dim**-0.5
+    kw = dict(page_size=page_size, num_heads=num_heads, num_kv_heads=num_kv_heads, sm_scale=sm_scale)
+    args = (jnp.asarray(qkv), jnp.asarray(cos), jnp.asarray(sin))
+    rest = (jnp.int32(cache.layer), jnp.asarray(cache.page_table), jnp.asarray(lens), jnp.asarray(slots))
+    want_out, want_pool = rope_reference_jit(*args, jnp.array(pool, copy=True), *rest, **kw)
+    out, new_pool = paged_decode_attention_rope(*args, jnp.array(pool, copy=True), *rest, **kw,
+                                                num_splits=num_splits)
+    assert_close(out, want_out, 2e-5)
+    # the new rows (rounding order of the rotation aside), nothing else
+    np.testing.assert_allclose(np.asarray(new_pool), np.asarray(want_pool), rtol=1e-6, atol=1e-6)
+    q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+    for b, n in enumerate(lens):
+        if n == 0:
+            np.testing.assert_array_equal(np.asarray(out[b]), 0.0)
+            continue
+        q = rotate_np(qkv[b, :q_width].reshape(1, num_heads, head_dim), cos[b], sin[b])
+        k_new = rotate_np(qkv[b, q_width:q_width + kv_width].reshape(1, num_kv_heads, head_dim), cos[b], sin[b])
+        v_new = qkv[b, q_width + kv_width:].reshape(1, num_kv_heads, head_dim)
+        keys = np.concatenate([cache.keys[b][: n - 1], k_new])
+        values = np.concatenate([cache.values[b][: n - 1], v_new])
+        assert_close(out[b], dense_attention(q, keys, values, [n - 1], sm_scale)[0], 2e-5)
+
+
+def test_paged_decode_rope_bf16():
+    rng = np.random.default_rng()
+    cache, pool, qkv, cos, sin, slots = rope_case(rng, 1, 4, 64, 16, [90, 200, 0], jnp.bfloat16)
+    kw = dict(page_size=16, num_heads=4, num_kv_heads=1, sm_scale=0.125)
+    args = (jnp.asarray(qkv, jnp.bfloat16), jnp.asarray(cos), jnp.asarray(sin))
+    rest = (jnp.int32(cache.layer), jnp.asarray(cache.page_table), jnp.asarray([90, 200, 0], jnp.int32),
+            jnp.asarray(slots))
+    want_out, want_pool = rope_reference_jit(*args, jnp.array(pool, copy=True), *rest, **kw)
+    out, new_pool = paged_decode_attention_rope(*args, jnp.array(pool, copy=True), *rest, **kw, num_splits=2)
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, want_out, 2e-2)
+    np.testing.assert_allclose(np.asarray(new_pool, np.float32), np.asarray(want_pool, np.float32), rtol=8e-3,
+                               atol=1e-6)  # one bf16 step of rounding
+
+
 # ----------------------------------------------------------------------------------------------------- prefill
 
 
@@ -308,3 +398,22 @@ def test_gpu_paged_prefill(num_kv_heads, num_heads, head_dim, block_q, block_k):
     out = paged_prefill_attention(*args, **kw, block_k=block_k, interpret=False)
     assert_close(out, prefill_reference(*args, **kw), 2e-2)
     np.testing.assert_array_equal(np.asarray(out[q_starts[-1]:], np.float32), 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("num_kv_heads,num_heads", [(8, 8), (8, 32), (32, 32)])
+@pytest.mark.parametrize("num_splits", [1, None])
+def test_gpu_paged_decode_rope(num_kv_heads, num_heads, num_splits):
+    rng = np.random.default_rng()
+    lens = np.concatenate([rng.integers(2, 3000, size=13), [1, 65, 0]])
+    cache, pool, qkv, cos, sin, slots = rope_case(rng, num_kv_heads, num_heads, 128, 16, lens, jnp.bfloat16)
+    kw = dict(page_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, sm_scale=128**-0.5)
+    args = (jnp.asarray(qkv, jnp.bfloat16), jnp.asarray(cos), jnp.asarray(sin))
+    rest = (jnp.int32(cache.layer), jnp.asarray(cache.page_table), jnp.asarray(lens, jnp.int32), jnp.asarray(slots))
+    want_out, want_pool = rope_reference_jit(*args, jnp.array(pool, copy=True), *rest, **kw)
+    out, new_pool = paged_decode_attention_rope(*args, jnp.array(pool, copy=True), *rest, **kw,
+                                                num_splits=num_splits, interpret=False)
+    assert_close(out, want_out, 2e-2)
+    np.testing.assert_allclose(np.asarray(new_pool, np.float32), np.asarray(want_pool, np.float32), rtol=8e-3,
+                               atol=1e-6)  # one bf16 step of rounding

@@ -201,6 +201,20 @@ def test_unrolled_layer_loop_gives_the_same_tokens(tiny_dir, adapter_dirs):
     assert outs[0] == outs[1]
 
 
+def test_decode_with_rope_and_kv_write_in_the_attention_kernel_matches_peft(tiny_dir, adapter_dirs):
+    """The GPU default (``decode_rope_in_attention``): decode's attention kernel rotates q and k and writes the new
+    K/V itself. Off by default here (interpret mode copies the aliased pool every grid step), so switched on: greedy
+    tokens of two sequences, one with an adapter, equal HF PEFT's."""
+    ecfg = dataclasses.replace(SMALL, decode_rope_in_attention=True, max_loras=1, decode_lora_variants=False)
+    eng = Engine.from_model_dir(tiny_dir, ecfg, adapters={"r8-all7": adapter_dirs["r8-all7"]}, progress=False)
+    assert eng.runner.decode_spec.rope_in_attention
+    rng = np.random.default_rng()
+    prompts, n = [_prompt(rng, eng.cfg.vocab_size) for _ in range(2)], 10
+    got = eng.generate(prompts, ["r8-all7", None], SamplingParams(max_tokens=n, **GREEDY))
+    assert got[0] == hf_generate(tiny_dir, prompts[0], n, adapter_dirs["r8-all7"])
+    assert got[1] == hf_generate(tiny_dir, prompts[1], n, None)
+
+
 def test_a_lone_sequence_in_a_padded_decode_bucket_matches_peft(tiny_dir, adapter_dirs):
     """The GPU default decodes one sequence in a 4-row step (``min_decode_bucket``): the three padding rows carry no
     context and no adapter, and must change nothing of the real row's tokens."""

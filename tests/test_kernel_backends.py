@@ -29,6 +29,7 @@ ROLE_CALLS = {
     "sgmv_shrink": (8, ("interpret",)),
     "sgmv_expand": (9, ("interpret",)),
     "decode_attention": (5, ("page_size", "num_kv_heads", "sm_scale", "interpret")),
+    "decode_attention_rope": (8, ("page_size", "num_heads", "num_kv_heads", "sm_scale", "interpret")),
     "prefill_attention": (6, ("tile_map", "block_q", "page_size", "num_kv_heads", "sm_scale", "interpret")),
     "write_kv": (6, ()),
 }
@@ -62,8 +63,10 @@ def test_registering_a_taken_name_needs_replace():
 
 
 def test_default_tiles_per_platform():
-    gpu = dict(lora_block_t=64, attn_block_q=128, min_prefill_bucket=128, min_decode_bucket=4)
-    cpu = dict(lora_block_t=16, attn_block_q=16, min_prefill_bucket=16, min_decode_bucket=1)
+    gpu = dict(lora_block_t=64, attn_block_q=128, min_prefill_bucket=128, min_decode_bucket=4,
+               decode_rope_in_attention=True)
+    cpu = dict(lora_block_t=16, attn_block_q=16, min_prefill_bucket=16, min_decode_bucket=1,
+               decode_rope_in_attention=False)
     for name in ("pallas", "pallas-triton", "reference"):
         assert default_tiles(name, "gpu") == gpu
         assert default_tiles(name, "cpu") == cpu
@@ -106,10 +109,11 @@ def counting_backend():
         backends.unregister_backend(backend.name)
 
 
-def _prefill_then_decode(cfg, params, pool, items, backend):
+def _prefill_then_decode(cfg, params, pool, items, backend, rope_in_attention=True):
     """Logits of one prefill step and one decode step (one new token per sequence), on a copy of the pool."""
     ecfg = EngineConfig(max_batch_size=4, max_prefill_tokens=32, max_prefill_seqs=4, max_model_len=32, page_size=4,
-                        max_lora_rank=32, max_loras=4, num_pages=128, dtype="float32", backend=backend)
+                        max_lora_rank=32, max_loras=4, num_pages=128, dtype="float32", backend=backend,
+                        decode_rope_in_attention=rope_in_attention)
     runner = StepRunner(cfg, ecfg)
     batch, _ = runner.build_prefill(items)
     prefill, arr = paged_forward(cfg, runner.prefill_spec, params, jnp.array(pool.array), pool.table,
@@ -133,8 +137,13 @@ def test_forward_calls_every_role_through_the_table(tiny_dir, adapter_dirs, coun
         items.append(StepItem(prompt, 0, pool.alloc_kv_pages(-(-(len(prompt) + 1) // 4)), slot, None, 0, 0))
 
     got = _prefill_then_decode(cfg, params, pool, items, name)
-    # on one device decode runs each group through bgmv_lora; bgmv_shrink / bgmv_expand serve tensor parallelism
-    assert set(calls) == set(backends.ROLES) - {"bgmv_shrink", "bgmv_expand"}, calls
+    # on one device decode runs each group through bgmv_lora and attends with decode_attention_rope; bgmv_shrink,
+    # bgmv_expand and decode_attention serve tensor parallelism (and decode_rope_in_attention=False)
+    assert set(calls) == set(backends.ROLES) - {"bgmv_shrink", "bgmv_expand", "decode_attention"}, calls
     want = _prefill_then_decode(cfg, params, pool, items, "reference")
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
+    calls.clear()  # the three-step decode (tensor parallelism's, and the interpret-mode default)
+    unfused = _prefill_then_decode(cfg, params, pool, items, name, rope_in_attention=False)
+    assert calls["decode_attention"] and "decode_attention_rope" not in calls, calls
+    np.testing.assert_allclose(unfused[1], want[1], rtol=1e-5, atol=1e-5)

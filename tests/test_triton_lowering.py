@@ -236,6 +236,26 @@ def test_decode_attention(model, batch):
     assert len(names) == 1 and re.fullmatch(rf"paged_decode_g{group}_bk{block_k}_s\d+", names[0]), names
 
 
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("model", MODELS)
+def test_decode_attention_rope(model, batch):
+    """The serving decode path: q/k rotation and the KV write inside the attention kernel, the pool in place."""
+    w = world(model)
+    cfg, kw = w.cfg, attention_kw(w.cfg)
+    attend = get_backend("pallas").decode_attention_rope
+
+    def fn(qkv, cos, sin, pool, layer, page_table, context_lens, kv_slots):
+        return attend(qkv, cos, sin, pool, layer, page_table, context_lens, kv_slots,
+                      num_heads=cfg.num_attention_heads, **kw)
+
+    width = cfg.q_width + 2 * cfg.kv_width
+    names = triton_kernels(fn, S((batch, width), BF16), S((batch, cfg.head_dim), F32), S((batch, cfg.head_dim), F32),
+                           w.pool, S((), I32), S((batch, w.max_pages), I32), S((batch,), I32), S((batch,), I32))
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    block_k = default_pages_per_block(ENGINE.page_size) * ENGINE.page_size
+    assert len(names) == 1 and re.fullmatch(rf"paged_decode_g{group}_bk{block_k}_s\d+_rope", names[0]), names
+
+
 @pytest.mark.parametrize("tokens", PREFILL_TOKENS)
 @pytest.mark.parametrize("model", MODELS)
 def test_prefill_attention(model, tokens):
@@ -283,8 +303,9 @@ def test_serving_forward(model, mode):
     attention = [n for n in names if n.startswith("paged_")]
     lora = [n for n in names if n.startswith("lora_")]
     assert len(attention) == 1 and len(attention) + len(lora) == len(names), names
-    if mode == "decode":  # one bgmv_lora per group: fused (1 kernel) or split (2)
-        assert attention[0].startswith("paged_decode_") and 4 <= len(lora) <= 8, names
+    if mode == "decode":  # rotation and KV write in the attention kernel; one bgmv_lora per group: 1 or 2 kernels
+        assert attention[0].startswith("paged_decode_") and attention[0].endswith("_rope"), names
+        assert 4 <= len(lora) <= 8, names
         assert set(lora) <= {*LORA_NAMES["fused"], *LORA_NAMES["split"]}, names
     else:
         assert attention[0].startswith("paged_prefill_") and lora == SGMV_NAMES * 4, names

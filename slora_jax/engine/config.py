@@ -103,6 +103,10 @@ class EngineConfig:
     # smallest decode batch compiled (fewer buckets = shorter warm-up); None: the backend's default for the platform
     min_decode_bucket: int | None = None
     decode_lora_variants: bool = True  # compile decode steps without MLP / without any LoRA kernels (3x buckets)
+    # decode rotates q and k and writes the new KV inside its attention kernel (False: rotate in XLA, scatter, attend;
+    # kept for comparisons). Tensor parallel steps always take the three steps. None: the backend's platform default
+    # (on for the GPU, off in interpret mode)
+    decode_rope_in_attention: bool | None = None
     lora_block_t: int | None = None  # kernel tiles; None: the backend's default for the platform
     attn_block_q: int | None = None
     # tensor parallelism over this host's devices (model/sharding.py): heads, KV heads, MLP columns and the pool split

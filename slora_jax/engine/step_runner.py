@@ -117,7 +117,7 @@ class StepRunner:
         spec = dict(backend=ecfg.backend, page_size=ecfg.page_size, max_rank=ecfg.max_lora_rank,
                     lora_block_t=ecfg.lora_block_t, attn_block_q=ecfg.attn_block_q, interpret=interpret, **tp_fields)
         self.prefill_spec = PagedSpec(mode="prefill", **spec)
-        self.decode_spec = PagedSpec(mode="decode", **spec)
+        self.decode_spec = PagedSpec(mode="decode", rope_in_attention=bool(ecfg.decode_rope_in_attention), **spec)
         # every step returns this many token ids (a decode bucket may exceed max_batch_size)
         self.out_rows = max(max(ecfg.decode_buckets), ecfg.max_prefill_seqs)
         # fn(layout, params, pool, table, packed, prev_tokens, penalty_state): layout static, pool and state donated

@@ -25,6 +25,9 @@ class LayerOps(Protocol):
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array, state: Any) -> tuple[jax.Array, Any]:
         """Store k, v ([T, n_kv, hd], rotated) and attend q ([T, n_heads, hd]); returns ([T, n_heads, hd], state)."""
 
+    # Ops whose ``rotates_in_attention`` is true get ``attend_unrotated(qkv, cos, sin, layer, state)`` instead: the
+    # projection output as it is, rotated inside their attention kernel (one launch instead of three a layer).
+
 
 def add_projection(ops: LayerOps, residual: jax.Array, x: jax.Array, y: jax.Array, modules: tuple[int, ...],
                    layer: jax.Array, state: Any) -> jax.Array:
@@ -88,11 +91,14 @@ class DecoderLayer(nn.Module):
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         h = RMSNorm(cfg.rms_norm_eps, name="input_layernorm")(x)
         qkv = ops.lora(h, Linear(cfg.q_width + 2 * cfg.kv_width, True, name="qkv_proj")(h), (0, 1, 2), layer, state)
-        q = qkv[:, : cfg.q_width].reshape(t, nq, hd)
-        k = qkv[:, cfg.q_width : cfg.q_width + cfg.kv_width].reshape(t, nkv, hd)
-        v = qkv[:, cfg.q_width + cfg.kv_width :].reshape(t, nkv, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn, state = ops.attend(q, k, v, layer, state)
+        if getattr(ops, "rotates_in_attention", False):
+            attn, state = ops.attend_unrotated(qkv, cos, sin, layer, state)
+        else:
+            q = qkv[:, : cfg.q_width].reshape(t, nq, hd)
+            k = qkv[:, cfg.q_width : cfg.q_width + cfg.kv_width].reshape(t, nkv, hd)
+            v = qkv[:, cfg.q_width + cfg.kv_width :].reshape(t, nkv, hd)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            attn, state = ops.attend(q, k, v, layer, state)
         attn = attn.reshape(t, cfg.q_width).astype(x.dtype)
         wide = t >= WIDE_ROWS
         x = add_projection(ops, x, attn, Linear(cfg.hidden_size, wide, name="o_proj")(attn), (3,), layer, state)

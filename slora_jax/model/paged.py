@@ -60,6 +60,9 @@ class PagedSpec:
     # the local config; tp_lora adds the all-reduces and the fully-sharded adapter partition
     tp_size: int = 1
     fully_sharded_loras: bool = False
+    # decode on one device: q/k rotation and the KV write inside the attention kernel (``decode_attention_rope``),
+    # two launches fewer a layer than rotating in XLA, scattering the KV and attending (False: those three steps)
+    rope_in_attention: bool = True
 
 
 @dataclasses.dataclass
@@ -74,6 +77,11 @@ class PagedOps:
     def residual_first(self) -> bool:
         """The residual may join o/down's base output before the delta (llama.add_projection): not under TP."""
         return self.spec.tp_size == 1
+
+    @property
+    def rotates_in_attention(self) -> bool:
+        """The layer hands ``attend_unrotated`` the raw qkv (decode on one device, unless the spec says no)."""
+        return self.spec.mode == "decode" and self.spec.tp_size == 1 and self.spec.rope_in_attention
 
     def lora(self, x, y, modules, layer, pool):
         if self.spec.tp_size > 1:
@@ -121,6 +129,16 @@ class PagedOps:
         else:
             out = kernels.prefill_attention(q, pool, layer, b.page_table, b.q_starts, b.context_lens,
                                             tile_map=b.attn_tiles, block_q=spec.attn_block_q, **common)
+        return out, pool
+
+
+    def attend_unrotated(self, qkv, cos, sin, layer, pool):
+        """Rotate q and k, write k and v into the pool and attend, in one kernel: qkv [T, q + 2 kv widths]."""
+        cfg, spec, b = self.cfg, self.spec, self.batch
+        out, pool = self.kernels.decode_attention_rope(
+            qkv, cos, sin, pool, layer, b.page_table, b.context_lens, b.kv_slots, page_size=spec.page_size,
+            num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+            sm_scale=1.0 / math.sqrt(cfg.head_dim), interpret=spec.interpret)
         return out, pool
 
 
