@@ -58,13 +58,12 @@ def main() -> None:
     if args.tiny:
         hidden, inter, vdim, page_rows = 64, 96, 16, 32
         cases = [("T64 2x20", 64, (20, 20))]
-        block_ts, rank_blocks, splits_l, vecs_l, warps_l, unrolls = (8, 16), (None,), (None, 1), (None, 1), (4,), \
-            (None, 2)
+        block_ts, rank_blocks, splits_l, vecs_l, warps_l, unrolls = (8, 16), (16,), (1, 2), (1, 2), (4,), (1, 2)
     else:
         hidden, inter, vdim, page_rows = 4096, 11008, 128, 1024
         cases = [("T1024 2x260", 1024, (260, 260)), ("T2048 8x256", 2048, (256,) * 8)]
-        block_ts, rank_blocks, splits_l, vecs_l, warps_l, unrolls = (32, 64, 128), (None, 16), (None, 2, 4), \
-            (None, 1, 2, 8), (4, 8), (None, 4, 8)
+        block_ts, rank_blocks, splits_l, vecs_l, warps_l, unrolls = (32, 64, 128), (64, 16), (1, 2, 4), \
+            (1, 2, 4, 8), (4, 8), (1, 4, 8)
     dims = ((hidden, hidden), (hidden, hidden), (hidden, hidden), (hidden, hidden), (hidden, inter), (hidden, inter),
             (inter, hidden))
     groups = {"qkv": (0, 1, 2), "o": (3,), "gate_up": (4, 5), "down": (6,)}
@@ -104,13 +103,15 @@ def main() -> None:
             jobs = {}  # (kernel, block_t, knobs) -> (jitted fn, args)
             for bt in block_ts:
                 tiles = make_tiles(row_slot, bt, -(-n_rows // bt) + MAX_PREFILL_SEQS + 1)
-                shrink_knobs = [(None, None, 8, None)] + list(itertools.product(rank_blocks, splits_l, (4,), unrolls))
+                # the kernels' own plans first (all knobs unset), then the grid
+                shrink_knobs = [(None, None, None, None)] + list(itertools.product(rank_blocks, splits_l, (4,),
+                                                                                 unrolls))
                 for rb, sp, w, un in shrink_knobs:
                     fn = jax.jit(functools.partial(sgmv_shrink, modules=modules, max_rank=args.max_rank, block_t=bt,
                                                    tuning=Tuning(rank_block=rb, splits=sp, num_warps=w, unroll=un)))
                     jobs["shrink", bt, (("rank_block", rb), ("splits", sp), ("warps", w), ("unroll", un))] = \
                         (fn, (x, pool, layer, tiles, table))
-                for vv, w, un in itertools.product(vecs_l, warps_l, (None, 1)):
+                for vv, w, un in [(None, None, None), *itertools.product(vecs_l, warps_l, (None, 1))]:
                     if un and (vv or 4) == 1:
                         continue  # one vector a program: nothing to issue together
                     fn = jax.jit(functools.partial(sgmv_expand, modules=modules, d_outs=d_outs, block_t=bt,
@@ -144,8 +145,8 @@ def main() -> None:
                 us = float("nan") if args.tiny else _device_us(kernel_profile, call, *fargs)
                 results.append(dict(case=case, group=g, kernel=kern, block_t=bt, **dict(knobs), us=us, rel_err=err))
             rows = [r for r in results if r["case"] == case and r["group"] == g]
-            for kern, default in (("shrink", dict(block_t=64, rank_block=None, splits=None, warps=8, unroll=None)),
-                                  ("expand", dict(block_t=64, vecs=None, warps=8, unroll=None))):
+            for kern, default in (("shrink", dict(block_t=64, rank_block=None, splits=None, warps=None, unroll=None)),
+                                  ("expand", dict(block_t=64, vecs=None, warps=None, unroll=None))):
                 mine = sorted((r for r in rows if r["kernel"] == kern), key=lambda r: r["us"])
                 dflt = [r for r in mine if all(r.get(k) == v for k, v in default.items())]
                 best = mine[0]

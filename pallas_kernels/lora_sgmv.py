@@ -28,13 +28,13 @@ from pallas_kernels.lora_bgmv import bgmv_expand_reference, bgmv_shrink_referenc
 from pallas_kernels.lora_common import AdapterTable, Tuning, block_module, layer_args, pick
 from pallas_kernels.lowering import any_spec, load, next_pow2, pallas_call, resolve_interpret, store
 
-GPU_TARGET_PROGRAMS = 264  # 2 per SM: prefill programs are long (they stream block_t rows of x)
 GPU_WARPS = 8  # expand: fewer registers per thread than 4 warps for these tile shapes (no spills at rank 64)
 GPU_EXPAND_VECS = 4  # output vectors (of V columns) per expand program
 # The shrink's GPU plan, measured on the H200 at the serving step's shapes (benchmarks/sgmv_sweep.py, NOTES session
 # 17: rank-8 adapters under max rank 64, 1024- and 2048-row buckets; 26% less time summed over q,k,v / o / down than
-# the 264-program heuristic with 64-wide rank blocks and 8 warps): 16-wide rank blocks (programs past an adapter's
-# rank return at once), d_in in 4 splits, 4 chunks of V loaded together a loop step, 4 warps.
+# the plan before it, d_in split for ~264 programs with 64-wide rank blocks and 8 warps): 16-wide rank blocks
+# (programs past an adapter's rank return at once), d_in in 4 splits, 4 chunks of V loaded together a loop step,
+# 4 warps. Interpret mode takes one split, rank blocks of the max rank and one chunk a step (fewest grid steps).
 GPU_SHRINK = Tuning(num_warps=4, splits=4, rank_block=16, unroll=4)
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 MAX_R_BLK = 64
@@ -159,16 +159,13 @@ def _shrink_kernel(layer_ref, lbase_ref, start_ref, len_ref, slot_ref, rank_ref,
             store(y_ref.at[sp, rows[:, None], i, k[None, :]], acc, mask=rmask[:, None])
 
 
-def _shrink_plan(n_tiles, max_rank, n_chunks, interpret, splits, rank_block=None, unroll=None):
+def _shrink_plan(max_rank, n_chunks, splits=None, rank_block=None, unroll=None):
     """(rank block, rank blocks, d_in splits, loop steps a split, chunks a step)."""
     r_blk = min(max(next_pow2(rank_block or max_rank), MIN_DOT), MAX_R_BLK, max(next_pow2(max_rank), MIN_DOT))
     n_rblk = -(-max_rank // r_blk)
     unroll = max(1, min(unroll or 1, n_chunks))
     n_steps = -(-n_chunks // unroll)  # loop steps of `unroll` chunks over the whole of d_in
-    if splits is None:
-        target = 1 if interpret else GPU_TARGET_PROGRAMS
-        splits = max(1, min(n_steps, -(-target // (n_tiles * n_rblk))))
-    iters = -(-n_steps // splits)
+    iters = -(-n_steps // min(splits or 1, n_steps))
     splits = -(-n_steps // iters)
     return r_blk, n_rblk, splits, iters, unroll
 
@@ -196,8 +193,8 @@ def sgmv_shrink(x: jax.Array, pool: jax.Array, layer, tiles: SegmentTiles, table
     n_chunks = d_in // vdim
     n_mod = len(modules)
     n_tiles = tiles.start.shape[0]
-    r_blk, n_rblk, splits, iters, unroll = _shrink_plan(n_tiles, max_rank, n_chunks, interpret, tuning.splits,
-                                                        tuning.rank_block, tuning.unroll)
+    r_blk, n_rblk, splits, iters, unroll = _shrink_plan(max_rank, n_chunks, tuning.splits, tuning.rank_block,
+                                                        tuning.unroll)
     kernel = functools.partial(_shrink_kernel, modules=tuple(modules), block_t=block_t, r_blk=r_blk, splits=splits,
                                iters=iters, unroll=unroll, n_chunks=n_chunks, page_rows=page_rows, vdim=vdim,
                                dot_dtype=_dot_dtype(x.dtype, pool.dtype))

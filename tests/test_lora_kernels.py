@@ -294,8 +294,11 @@ SGMV_CASES = [
 ]
 
 
+@pytest.mark.parametrize("plan", ["looped", "unrolled"])
 @pytest.mark.parametrize("seed,modules,layer,lengths,block_t,splits", SGMV_CASES)
-def test_sgmv(seed, modules, layer, lengths, block_t, splits):
+def test_sgmv(seed, modules, layer, lengths, block_t, splits, plan):
+    """``unrolled``: the shrink loads 2 d_in chunks a loop step in 16-wide rank blocks (the GPU plan's shape), the
+    expand loads its 2 vectors together."""
     block_t = runnable_block_t(block_t)
     world = make_world(seed)
     rng = np.random.default_rng(seed + 100)
@@ -311,15 +314,16 @@ def test_sgmv(seed, modules, layer, lengths, block_t, splits):
     dtiles = type(tiles)(*(jnp.asarray(a) for a in tiles))
     layer_arr = jnp.asarray(layer, jnp.int32)
 
-    y = sgmv_shrink(jnp.asarray(x), pool, layer_arr, dtiles, table, modules, max_rank, block_t,
-                    tuning=Tuning(splits=splits))
+    unrolled = plan == "unrolled"
+    shrink_tuning = Tuning(splits=splits, unroll=2, rank_block=16) if unrolled else Tuning(splits=splits)
+    y = sgmv_shrink(jnp.asarray(x), pool, layer_arr, dtiles, table, modules, max_rank, block_t, tuning=shrink_tuning)
     y_ref = sgmv_shrink_reference(jnp.asarray(x), pool, layer_arr, dtiles, table, modules, max_rank, block_t)
     close(y, y_ref, 1e-5)
     close(y, dense_shrink(world, x, row_slot, layer, modules, max_rank), 1e-5)
     assert np.all(np.asarray(y)[row_slot < 0] == 0)
 
     out = sgmv_expand(y, jnp.asarray(base), pool, layer_arr, dtiles, table, modules, d_outs, block_t,
-                      tuning=Tuning(vecs=2))
+                      tuning=Tuning(vecs=2, unroll=1 if unrolled else None))
     out_ref = sgmv_expand_reference(y_ref, jnp.asarray(base), pool, layer_arr, dtiles, table, modules, d_outs, block_t)
     check_expand(out, out_ref, base, world, x, row_slot, layer, modules)
 
