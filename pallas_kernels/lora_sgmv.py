@@ -178,7 +178,8 @@ def sgmv_shrink(x: jax.Array, pool: jax.Array, layer, tiles: SegmentTiles, table
 
     x: [T, d_in]; pool: [L, NP, PR, V]; layer: int32 scalar; tiles: SegmentTiles of int32[num_tiles] from
     :func:`make_tiles` with the same ``block_t`` (static; >= 16 on the GPU); modules: static ids sharing x;
-    max_rank: static >= every rank. Returns float32[T, len(modules), max_rank]. ``tuning``: splits, num_warps.
+    max_rank: static >= every rank. Returns float32[T, len(modules), max_rank]. ``tuning``: splits, num_warps,
+    rank_block, unroll; on a GPU its unset knobs come from ``GPU_SHRINK``.
     """
     interpret = resolve_interpret(interpret)
     tuning = tuning or Tuning()

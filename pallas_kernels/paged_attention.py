@@ -275,7 +275,10 @@ def paged_decode_attention_rope(qkv: jax.Array, cos: jax.Array, sin: jax.Array, 
     [B, hd] float32 (``rope_cos_sin`` of each row's position); kv_slots: int32[B], the new token's slot (-1 =
     padding: nothing written); context_lens counts the new token. Returns (attention [B, n_heads, hd] in qkv.dtype,
     the pool with every row's new k (rotated) and v written), equal to rotating q and k, ``write_kv`` and
-    :func:`paged_decode_attention`. The pool is donated: the kernel writes it in place.
+    :func:`paged_decode_attention` for rows as the engine builds them: a padding row has slot -1 and context 0, a
+    real row both a slot and a context (a row with only one of them is not written, or not read, as those steps
+    would). The pool is donated (called outside a jit, the caller's array is consumed); the kernel writes it in
+    place.
     """
     batch, width = qkv.shape
     head_dim = pool.shape[3]

@@ -17,6 +17,8 @@ import pytest
 
 from pallas_kernels.kv_cache import gather_kv_reference, token_slots, write_kv
 from pallas_kernels.paged_attention import (
+    default_num_splits,
+    default_pages_per_block,
     paged_decode_attention,
     paged_decode_attention_reference,
     paged_decode_attention_rope,
@@ -208,19 +210,21 @@ def test_paged_decode_bf16_pool():
 
 # ------------------------------------------------------------------------------------ decode with RoPE and KV write
 
-ROPE_CASES = [  # (num_kv_heads, num_heads, head_dim, page_size, num_splits, lens)
+ROPE_CASES = [  # (num_kv_heads, num_heads, head_dim, page_size, num_splits, lens, max_pages)
     # one split; a context of only the new token; the new token alone in a 64-token block (65 = 64 + 1); padding
-    pytest.param(2, 2, 64, 16, 1, [65, 1, 140, 0], id="mha-one-split"),
-    pytest.param(1, 4, 128, 8, 3, [129, 2, 300, 0], id="gqa4-three-splits"),
-    pytest.param(1, 8, 64, 16, None, [257, 37, 1, 0], id="gqa8-default-splits"),
+    pytest.param(2, 2, 64, 16, 1, [65, 1, 140, 0], None, id="mha-one-split"),
+    pytest.param(1, 4, 128, 8, 3, [129, 2, 300, 0], None, id="gqa4-three-splits"),
+    # a 64-page table: 16 blocks, so the default takes 4 splits (the short rows leave some splits empty)
+    pytest.param(1, 8, 64, 16, None, [257, 37, 1, 0], 64, id="gqa8-default-splits"),
 ]
 
 
-def rope_case(rng, num_kv_heads, num_heads, head_dim, page_size, lens, dtype):
+def rope_case(rng, num_kv_heads, num_heads, head_dim, page_size, lens, dtype, max_pages=None):
     """A cache holding each sequence's first ``len - 1`` tokens (the new token's slot holds junk), the step's
     unrotated qkv rows, cos/sin of the new positions and the new tokens' slots."""
     lens = np.asarray(lens, np.int32)
-    cache = build_cache(rng, lens, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype)
+    cache = build_cache(rng, lens, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
+                        max_pages=max_pages)
     positions = np.maximum(lens - 1, 0)
     slots = np.asarray(jit_token_slots(jnp.asarray(cache.page_table), jnp.asarray(np.where(lens > 0, 0, -1) +
                                        np.arange(len(lens)) * (lens > 0)), jnp.asarray(positions), page_size))
@@ -244,12 +248,15 @@ def rotate_np(x, cos, sin):
     return x * cos + np.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
 
 
-@pytest.mark.parametrize("num_kv_heads,num_heads,head_dim,page_size,num_splits,lens", ROPE_CASES)
+@pytest.mark.parametrize("num_kv_heads,num_heads,head_dim,page_size,num_splits,lens,max_pages", ROPE_CASES)
 def test_paged_decode_rope_matches_unfused_steps_and_dense(num_kv_heads, num_heads, head_dim, page_size, num_splits,
-                                                           lens):
+                                                           lens, max_pages):
     rng = np.random.default_rng()
     cache, pool, qkv, cos, sin, slots = rope_case(rng, num_kv_heads, num_heads, head_dim, page_size, lens,
-                                                  jnp.float32)
+                                                  jnp.float32, max_pages)
+    if num_splits is None:  # the case is there to run the default's several splits
+        blocks = -(-cache.page_table.shape[1] // default_pages_per_block(page_size))
+        assert default_num_splits(len(lens), num_kv_heads, blocks) > 1
     lens = np.asarray(lens, np.int32)
     sm_scale = head_dim**-0.5
     kw = dict(page_size=page_size, num_heads=num_heads, num_kv_heads=num_kv_heads, sm_scale=sm_scale)

@@ -105,7 +105,7 @@ class EngineConfig:
     decode_lora_variants: bool = True  # compile decode steps without MLP / without any LoRA kernels (3x buckets)
     # decode rotates q and k and writes the new KV inside its attention kernel (False: rotate in XLA, scatter, attend;
     # kept for comparisons). Tensor parallel steps always take the three steps. None: the backend's platform default
-    # (on for the GPU, off in interpret mode)
+    # (on for the GPU, off on CPU, where the kernels run in interpret mode; set it off for interpret runs on a GPU)
     decode_rope_in_attention: bool | None = None
     lora_block_t: int | None = None  # kernel tiles; None: the backend's default for the platform
     attn_block_q: int | None = None

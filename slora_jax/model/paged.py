@@ -61,7 +61,8 @@ class PagedSpec:
     tp_size: int = 1
     fully_sharded_loras: bool = False
     # decode on one device: q/k rotation and the KV write inside the attention kernel (``decode_attention_rope``),
-    # two launches fewer a layer than rotating in XLA, scattering the KV and attending (False: those three steps)
+    # two launches fewer a layer than rotating in XLA, scattering the KV and attending (False: those three steps).
+    # The step runner sets it from EngineConfig.decode_rope_in_attention (off on CPU: slow in interpret mode)
     rope_in_attention: bool = True
 
 
