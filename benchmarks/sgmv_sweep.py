@@ -30,6 +30,11 @@ from common import device_ceilings, git_commit
 MAX_PREFILL_SEQS = 16  # the engine's default: its SGMV tile count is ceil(T / block_t) + max_prefill_seqs + 1
 
 
+def bucket_tiles(make_tiles, row_slot, block_t: int):
+    """The SGMV tiles of ``row_slot`` padded to the count the engine's step runner gives the bucket."""
+    return make_tiles(row_slot, block_t, -(-row_slot.shape[0] // block_t) + MAX_PREFILL_SEQS + 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
@@ -102,7 +107,7 @@ def main() -> None:
             floor_us = floor_bytes / (bw * 1e3) if bw == bw else float("nan")
             jobs = {}  # (kernel, block_t, knobs) -> (jitted fn, args)
             for bt in block_ts:
-                tiles = make_tiles(row_slot, bt, -(-n_rows // bt) + MAX_PREFILL_SEQS + 1)
+                tiles = bucket_tiles(make_tiles, row_slot, bt)
                 # the kernels' own plans first (all knobs unset), then the grid
                 shrink_knobs = [(None, None, None, None)] + list(itertools.product(rank_blocks, splits_l, (4,),
                                                                                  unrolls))
@@ -118,7 +123,7 @@ def main() -> None:
                                                    tuning=Tuning(vecs=vv, num_warps=w, unroll=un)))
                     jobs["expand", bt, (("vecs", vv), ("warps", w), ("unroll", un))] = \
                         (fn, [None, base, pool, layer, tiles, table])
-            tiles0 = make_tiles(row_slot, block_ts[0], -(-n_rows // block_ts[0]) + MAX_PREFILL_SEQS + 1)
+            tiles0 = bucket_tiles(make_tiles, row_slot, block_ts[0])
             y_ref = sgmv_shrink_reference(x, pool, layer, tiles0, table, modules, args.max_rank, block_ts[0])
             delta = np.asarray(sgmv_expand_reference(y_ref, base, pool, layer, tiles0, table, modules, d_outs,
                                                      block_ts[0]), np.float32) - np.asarray(base, np.float32)

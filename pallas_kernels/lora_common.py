@@ -43,9 +43,8 @@ class Tuning(NamedTuple):
     splits: programs sharing one d_in reduction (shrink); vecs: output vectors of V columns per program (SGMV expand);
     pipeline: double-buffer tiles in registers (BGMV shrink); rank_block: rank columns one program computes (SGMV
     shrink; programs of rank blocks past the largest rank of their tile's adapter over the group's modules return
-    at once); unroll: vectors whose loads a
-    program issues together, before their dots (SGMV: d_in chunks per loop step of the shrink; the expand's
-    ``vecs`` output vectors at once when > 1).
+    at once); unroll: vectors whose loads a program issues together, before their dots (SGMV: d_in chunks per loop
+    step of the shrink; the expand's ``vecs`` output vectors at once when > 1).
     """
 
     tile_elems: int | None = None

@@ -219,6 +219,13 @@ def attention_kw(cfg: ModelConfig) -> dict:
                 sm_scale=1.0 / math.sqrt(cfg.head_dim), interpret=False)
 
 
+def decode_kernel_name(cfg: ModelConfig, suffix: str = "") -> str:
+    """The pattern of the decode attention kernel's name at the engine's GPU pages (any split count)."""
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    block_k = default_pages_per_block(ENGINE.page_size) * ENGINE.page_size
+    return rf"paged_decode_g{group}_bk{block_k}_s\d+{suffix}"
+
+
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("model", MODELS)
 def test_decode_attention(model, batch):
@@ -231,9 +238,7 @@ def test_decode_attention(model, batch):
 
     names = triton_kernels(fn, S((batch, cfg.num_attention_heads, cfg.head_dim), BF16), w.pool, S((), I32),
                            S((batch, w.max_pages), I32), S((batch,), I32))
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
-    block_k = default_pages_per_block(ENGINE.page_size) * ENGINE.page_size
-    assert len(names) == 1 and re.fullmatch(rf"paged_decode_g{group}_bk{block_k}_s\d+", names[0]), names
+    assert len(names) == 1 and re.fullmatch(decode_kernel_name(cfg), names[0]), names
 
 
 @pytest.mark.parametrize("batch", BATCHES)
@@ -251,9 +256,7 @@ def test_decode_attention_rope(model, batch):
     width = cfg.q_width + 2 * cfg.kv_width
     names = triton_kernels(fn, S((batch, width), BF16), S((batch, cfg.head_dim), F32), S((batch, cfg.head_dim), F32),
                            w.pool, S((), I32), S((batch, w.max_pages), I32), S((batch,), I32), S((batch,), I32))
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
-    block_k = default_pages_per_block(ENGINE.page_size) * ENGINE.page_size
-    assert len(names) == 1 and re.fullmatch(rf"paged_decode_g{group}_bk{block_k}_s\d+_rope", names[0]), names
+    assert len(names) == 1 and re.fullmatch(decode_kernel_name(cfg, "_rope"), names[0]), names
 
 
 @pytest.mark.parametrize("tokens", PREFILL_TOKENS)

@@ -132,7 +132,6 @@ class PagedOps:
                                             tile_map=b.attn_tiles, block_q=spec.attn_block_q, **common)
         return out, pool
 
-
     def attend_unrotated(self, qkv, cos, sin, layer, pool):
         """Rotate q and k, write k and v into the pool and attend, in one kernel: qkv [T, q + 2 kv widths]."""
         cfg, spec, b = self.cfg, self.spec, self.batch

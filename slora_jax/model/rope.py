@@ -7,6 +7,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.paged_attention import rope_reference
+
 from .config import ModelConfig
 
 
@@ -38,9 +40,6 @@ def rope_cos_sin(cfg: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray,
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """x: [T, heads, head_dim]; rotate-half convention; computed in float32."""
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    out = xf * cos[:, None, :] + rotated * sin[:, None, :]
-    return out.astype(x.dtype)
+    """x: [T, heads, head_dim]; rotate-half convention; computed in float32. The same function as the decode
+    kernel's reference (``pallas_kernels.paged_attention.rope_reference``), which the kernel's rotation matches."""
+    return rope_reference(x, cos, sin)
