@@ -179,7 +179,9 @@ def test_a_broken_grammar_ends_only_its_request(engine, compiler):
     seqs = _run(engine, [(_prompt(rng), SamplingParams(max_tokens=50, temperature=1.0), bad),
                          (_prompt(rng), SamplingParams(max_tokens=50, temperature=1.0),
                           compiler.compile(SPECS["schema"])),
-                         (_prompt(rng), SamplingParams(max_tokens=10, temperature=1.0), None)], finals=finals)
+                         # ignore_eos: the neighbour's 10 tokens must not depend on a sample drawing EOS
+                         (_prompt(rng), SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True), None)],
+                   finals=finals)
     out = finals[seqs[0].request_id]
     assert out.finish_reason == "error" and out.error_kind == "request" and "parser limit" in out.error
     assert len(seqs[0].output_ids) == 3
