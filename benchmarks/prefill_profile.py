@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None, help="append one JSON line per case here")
     ap.add_argument("--top", type=int, default=15, help="kernels kept by name in the JSON (costliest first)")
+    ap.add_argument("--backend", default="pallas",
+                    help="kernel backend (e.g. pallas-auto-prefill: Mosaic GPU prefill attention from 2048 rows)")
     args = ap.parse_args()
     cases = parse_segments(args.segments)
     probe = {} if args.tiny else device_ceilings(matmul_n=8192)
@@ -77,7 +79,7 @@ def main() -> None:
                         max_prefill_seqs=16,
                         max_model_len=buckets[-1], page_size=16, max_lora_rank=64,
                         max_loras=16, pool_bytes=(256 << 20) if args.tiny else (24 << 30),
-                        dtype="float32" if args.tiny else "bfloat16", backend="pallas",
+                        dtype="float32" if args.tiny else "bfloat16", backend=args.backend,
                         lora_block_t=gpu_tiles["lora_block_t"], attn_block_q=gpu_tiles["attn_block_q"])
     if args.tiny:
         params = init_params(cfg, jax.random.PRNGKey(0))
@@ -138,7 +140,8 @@ def main() -> None:
         floor_ms = max(mem_ms, mm_ms)
         row = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), case=f"{n_seqs}x{n_tok}",
                    tokens=tokens, rows=n_rows,
-                   device=jax.devices()[0].device_kind, jax=jax.__version__, commit=git_commit(), rank=args.rank,
+                   device=jax.devices()[0].device_kind, jax=jax.__version__, commit=git_commit(), backend=args.backend,
+                   xla_flags=os.environ.get("XLA_FLAGS", ""), rank=args.rank,
                    targets=len(targets), step_ms=round(lora_ms, 3), no_lora_ms=round(base_ms, 3),
                    lora_share=round(lora_ms / base_ms - 1, 3), floor_ms=round(floor_ms, 3),
                    floor_weights_ms=round(mem_ms, 3), floor_matmul_ms=round(mm_ms, 3),
