@@ -46,6 +46,22 @@ def test_pack_then_unpack_in_jit_is_exact():
     np.testing.assert_array_equal(np.asarray(got_src), token_src)
 
 
+def test_every_field_starts_256_bytes_aligned():
+    """The Mosaic GPU custom call refuses an operand off a 256-byte boundary, and XLA passes a static slice of the
+    packed parameter as a pointer into it: each field must start at a multiple of 64 int32s."""
+    rng = np.random.default_rng()
+    batch, s, token_src = _random_inputs(rng)
+    packed, layout = pack_inputs(batch, s, token_src)
+    values = [getattr(batch, f.name) for f in dataclasses.fields(StepBatch)]
+    values += [getattr(s, f.name) for f in dataclasses.fields(SamplingArrays)] + [token_src]
+    offset = 0
+    for (name, shape, _), want in zip(layout, values, strict=True):
+        size = int(np.prod(shape))
+        np.testing.assert_array_equal(packed[offset:offset + size], want.view(np.int32).ravel(), name)
+        offset += -(-size // 64) * 64
+    assert offset == packed.size
+
+
 def test_pack_refuses_a_field_it_cannot_carry():
     rng = np.random.default_rng()
     batch, s, token_src = _random_inputs(rng)

@@ -402,12 +402,21 @@ class StepRunner:
 # Every per-step host input travels as ONE int32 buffer: on the H200 each numpy argument of a jitted call costs
 # ~0.45 ms of host time to transfer, and a step has 16 of them (StepBatch, SamplingArrays, token_src).
 Layout = tuple[tuple[str, tuple[int, ...], str], ...]  # (field, shape, dtype) in buffer order
+# Each field starts at a multiple of 64 int32s (256 bytes). XLA hands a custom call a static slice of a parameter as
+# a pointer into that parameter, and the Mosaic GPU custom call refuses any operand not 256-byte aligned ("Input
+# buffer 0 is not 256-byte aligned": the prefill tile map, H200, jax 0.11.2, NOTES session 18).
+FIELD_ALIGN = 64
+
+
+def _field_span(size: int) -> int:
+    """int32 slots a field of ``size`` elements takes in the buffer (its size rounded up to FIELD_ALIGN)."""
+    return -(-size // FIELD_ALIGN) * FIELD_ALIGN
 
 
 def pack_inputs(batch: StepBatch, s: SamplingArrays,
                 token_src: np.ndarray | None = None) -> tuple[np.ndarray, Layout]:
-    """(int32 buffer, its static layout); float32 / uint32 fields travel as their bit patterns. ``token_src`` None:
-    every input token comes from the host (prefill)."""
+    """(int32 buffer, its static layout); float32 / uint32 fields travel as their bit patterns, each field padded to
+    FIELD_ALIGN. ``token_src`` None: every input token comes from the host (prefill)."""
     if token_src is None:
         token_src = np.full(batch.tokens.shape, -1, np.int32)
     arrays = [(f"batch.{f.name}", getattr(batch, f.name)) for f in dataclasses.fields(StepBatch)]
@@ -420,7 +429,11 @@ def pack_inputs(batch: StepBatch, s: SamplingArrays,
             raise TypeError(f"step input {name} is {a.dtype}; only 4-byte dtypes can be packed")
         parts.append(a.view(np.int32).ravel())
         layout.append((name, tuple(a.shape), a.dtype.str))
-    return np.concatenate(parts), tuple(layout)
+    packed, offset = np.zeros(sum(_field_span(p.size) for p in parts), np.int32), 0
+    for flat in parts:
+        packed[offset:offset + flat.size] = flat
+        offset += _field_span(flat.size)
+    return packed, tuple(layout)
 
 
 def unpack_inputs(packed: jax.Array, layout: Layout) -> tuple[StepBatch, SamplingArrays, jax.Array]:
@@ -429,7 +442,7 @@ def unpack_inputs(packed: jax.Array, layout: Layout) -> tuple[StepBatch, Samplin
     for name, shape, dtype in layout:
         size = int(np.prod(shape, dtype=np.int64))
         x = packed[offset:offset + size].reshape(shape)
-        offset += size
+        offset += _field_span(size)
         if np.dtype(dtype) != np.int32:
             x = jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
         fields[name] = x
