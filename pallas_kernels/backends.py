@@ -140,11 +140,12 @@ PALLAS_TRITON_UNFUSED = dataclasses.replace(PALLAS_TRITON, name="pallas-triton-u
 # so this package imports where jax lacks it. 'auto' picks per shape at trace time: Mosaic where it runs (a CUDA GPU
 # of compute capability 9.x, bf16/f16 pool, head_dim 64/128, page_size >= its MIN_PAGE_SIZE, not interpret mode) and
 # the call has at least MOSAIC_PREFILL_MIN_ROWS query rows, else Triton. The "pallas" alias takes
-# ATTENTION_PREFILL_IMPL, which stays 'triton'. Alone, the fixed kernel is right on the H200 and faster (2026-12-01,
-# jax 0.11.2: 16k rows 4.33 ms vs Triton 8.10, 4k 0.64 vs 0.79), but inside the 7B engine step its custom call
-# refused its first operand: "Input buffer 0 is not 256-byte aligned" (XLA placed q at an offset in a temp buffer).
+# ATTENTION_PREFILL_IMPL: 'auto' since session 19. Inside the 7B step on the H200 (jax 0.11.2, 2026-12-03) a prefill
+# step of 16k tokens took 478 ms against Triton's 565, 4k 96.5 against 102.8, 8x256 45.0 against 45.6. Mosaic GPU's
+# custom call demands 256-byte aligned operands; the step runner's packed inputs start every field on that boundary
+# (step_runner.FIELD_ALIGN) since XLA hands a static slice of a parameter to a custom call as a pointer into it.
 PREFILL_IMPLS = ("triton", "mosaic", "auto")
-ATTENTION_PREFILL_IMPL = "triton"
+ATTENTION_PREFILL_IMPL = "auto"
 MOSAIC_PREFILL_MIN_ROWS = 2048
 
 

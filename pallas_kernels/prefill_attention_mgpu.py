@@ -404,8 +404,11 @@ def paged_prefill_attention_mosaic(q: jax.Array, pool: jax.Array, layer: jax.Arr
     params = plgpu.CompilerParams(approx_math=True,
                                   lowering_semantics=getattr(plgpu.LoweringSemantics, SEMANTICS[semantics]))
     extra = dict(interpret=interpret) if simulated else {}
+    def paged_prefill_mosaic(*refs):  # the kernel's name in profiles (jax names it after the body's __name__)
+        _kernel(*refs, dims=dims)
+
     out = plgpu.kernel(
-        functools.partial(_kernel, dims=dims),
+        paged_prefill_mosaic,
         out_type=jax.ShapeDtypeStruct((padded_rows, num_heads, head_dim), pool.dtype),
         grid=(num_heads, tile_map.shape[0]), grid_names=("heads", "tiles"),
         num_threads=dims["cwgs"] + 1, thread_name="wg", compiler_params=params, **extra,

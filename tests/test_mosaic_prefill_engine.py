@@ -64,7 +64,7 @@ def test_prefill_steps_through_mosaic_match_triton(monkeypatch):
     prompts = [rng.integers(3, CFG.vocab_size, n).tolist() for n in (2300, 700, 2000)]
     adapters = ["a", None, "a"]
     seed = int(rng.integers(1 << 30))
-    want = _prompt_logprobs("pallas", params, prompts, adapters, seed)
+    want = _prompt_logprobs("pallas-triton", params, prompts, adapters, seed)
     assert not mosaic_calls
     got = _prompt_logprobs("pallas-auto-prefill", params, prompts, adapters, seed)
     assert mosaic_calls and all(shape[0] >= backends.MOSAIC_PREFILL_MIN_ROWS for shape in mosaic_calls)
