@@ -49,7 +49,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="append one JSON line per case here")
     ap.add_argument("--top", type=int, default=15, help="kernels kept by name in the JSON (costliest first)")
     ap.add_argument("--backend", default="pallas",
-                    help="kernel backend (e.g. pallas-auto-prefill: Mosaic GPU prefill attention from 2048 rows)")
+                    help="kernel backend (pallas: Mosaic GPU prefill attention from 2048 rows on Hopper; "
+                         "pallas-triton: Triton always)")
     args = ap.parse_args()
     cases = parse_segments(args.segments)
     probe = {} if args.tiny else device_ceilings(matmul_n=8192)
