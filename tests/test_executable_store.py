@@ -235,6 +235,47 @@ def test_an_unserializable_step_is_not_saved_and_nothing_raises(tmp_path, caplog
     assert "cannot save" in caplog.text and not list(tmp_path.iterdir())
 
 
+class _HoldsACall:
+    """Stands in for a compiled step whose HLO holds ``target`` (only ``as_text`` is asked before serializing)."""
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def as_text(self) -> str:
+        return f'%c = bf16[8] custom-call(bf16[8] %x), custom_call_target="{self.target}", api_version=4'
+
+
+def test_a_step_holding_a_mosaic_gpu_call_is_not_stored(tmp_path, caplog):
+    """Such an executable loads only in the process that compiled it (H200, session 20): storing it would only
+    make every restart drop it again."""
+    store = ExecutableStore(tmp_path)
+    caplog.set_level("INFO", logger=executable_store.__name__)
+    assert not store.save("key", _HoldsACall("mosaic_gpu_v2"))
+    assert store.process_bound == 1 and store.saved == 0 and not list(tmp_path.iterdir())
+    assert "mosaic_gpu_v2" in caplog.text and "only in this process" in caplog.text
+    fn, pool, x = _tiny_step()  # a step without one is stored as before
+    assert store.save("plain", fn.lower(pool, x).compile()) and store.path("plain").exists()
+    assert executable_store.process_bound_call(_HoldsACall("some_other_target")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiles a Mosaic GPU kernel for this GPU")
+def test_a_real_mosaic_gpu_step_is_recognised_and_not_stored(tmp_path):
+    """The check reads the HLO the GPU compiler really leaves: the prefill attention's Mosaic kernel, compiled."""
+    from pallas_kernels import backends
+    if not backends.mosaic_prefill_platform():
+        pytest.skip("needs a Hopper GPU with Mosaic GPU")
+    from pallas_kernels.prefill_attention_mgpu import paged_prefill_attention_mosaic
+    avals = (jax.ShapeDtypeStruct((300, 8, 128), jnp.bfloat16), jax.ShapeDtypeStruct((2, 40, 64, 128), jnp.bfloat16),
+             jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((3, 20), jnp.int32),
+             jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((3,), jnp.int32))
+    compiled = jax.jit(lambda *a: paged_prefill_attention_mosaic(*a, page_size=16, num_kv_heads=2, sm_scale=0.1)
+                       ).trace(*avals).lower().compile()
+    assert executable_store.process_bound_call(compiled) is not None
+    store = ExecutableStore(tmp_path)
+    assert not store.save("mosaic step", compiled) and store.process_bound == 1 and not list(tmp_path.iterdir())
+
+
 def test_the_switch_turns_the_store_off(tmp_path, monkeypatch):
     monkeypatch.setenv(executable_store.ENV_SWITCH, "0")
     assert executable_store.enable(tmp_path) is None and executable_store.active() is None

@@ -8,8 +8,9 @@ that determines the executable: jax/jaxlib versions, the backend and its devices
 engine and tensor-parallel settings, the job, its static layout and every argument's shape, dtype and sharding.
 
 A bad entry (truncated, corrupt, written for other inputs, failing to load) is logged, deleted and compiled again;
-nothing here may stop a server from starting. Entries are pickles (as ``jax.experimental.serialize_executable``
-makes them): keep the cache dir as private as the code itself.
+nothing here may stop a server from starting. A step holding a Mosaic GPU kernel is not stored: it loads only in the
+process that compiled it. Entries are pickles (as ``jax.experimental.serialize_executable`` makes them): keep the
+cache dir as private as the code itself.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import os
 import pickle
 import platform
+import re
 import sys
 import tempfile
 import threading
@@ -42,6 +44,11 @@ ENV_SWITCH = "SLORA_JAX_EXECUTABLE_STORE"  # "0": keep the persistent compilatio
 # restart after a code change never refills the store for the steps JAX's cache still holds (traced at every start).
 STORE_CACHE_SERVED_SWITCH = "SLORA_JAX_STORE_CACHE_SERVED"
 SUFFIX = ".exe"
+# Custom calls whose executables load only in the process that compiled them: a Mosaic GPU kernel is linked into
+# that process, and in another one loading fails ("Failed to lookup host symbol ... paged_prefill_mosaic_mosaic_gpu";
+# jax 0.11.2, H200, session 20: both Mosaic prefill steps were dropped at every restart). Such steps are not stored;
+# JAX's persistent cache still spares them XLA's compile.
+PROCESS_BOUND_CALL = re.compile(r'custom_call_target="(mosaic_gpu[^"]*)"')
 PACKAGES = ("slora_jax", "pallas_kernels")
 # jax settings that change what a step lowers to (the rest of the key pins the code and shapes)
 JAX_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
@@ -123,6 +130,16 @@ def abstract_signature(args) -> str:
     return "\n".join(sig)
 
 
+def process_bound_call(compiled) -> str | None:
+    """The target of the first :data:`PROCESS_BOUND_CALL` in ``compiled``'s HLO, or None; None too when the text
+    cannot be had (then saving decides)."""
+    try:
+        found = PROCESS_BOUND_CALL.search(compiled.as_text() or "")
+    except Exception:  # noqa: BLE001 - not an executable with text: serialize will say what it is
+        return None
+    return found and found.group(1)
+
+
 class ExecutableStore:
     """One directory of entries: ``<sha256 of key>.exe`` = FORMAT + sha256(body) + body, body a pickle of the key
     text, the serialized executable and its argument and result trees."""
@@ -131,7 +148,7 @@ class ExecutableStore:
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self.loaded = self.saved = self.dropped = self.cache_served = 0
+        self.loaded = self.saved = self.dropped = self.cache_served = self.process_bound = 0
 
     def key(self, *parts: str) -> str:
         """The full key text: this process's :func:`environment` and the caller's parts (runner, job, arguments)."""
@@ -176,6 +193,13 @@ class ExecutableStore:
         """Write ``compiled`` for ``key`` (temp file + rename: a reader never sees half an entry); False, with a
         warning, when it cannot be serialized or written."""
         path = self.path(key)
+        bound = process_bound_call(compiled)
+        if bound is not None:
+            log.info("executable store: not storing %s: it holds a %s call, which loads only in this process",
+                     path.name, bound)
+            with self._lock:
+                self.process_bound += 1
+            return False
         try:
             executable, in_tree, out_tree = serialize_executable.serialize(compiled)
             body = pickle.dumps(dict(key=key, executable=executable, in_tree=in_tree, out_tree=out_tree),
