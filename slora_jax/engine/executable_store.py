@@ -137,7 +137,7 @@ def process_bound_call(compiled) -> str | None:
         found = PROCESS_BOUND_CALL.search(compiled.as_text() or "")
     except Exception:  # noqa: BLE001 - not an executable with text: serialize will say what it is
         return None
-    return found and found.group(1)
+    return found.group(1) if found else None
 
 
 class ExecutableStore:
@@ -191,7 +191,8 @@ class ExecutableStore:
 
     def save(self, key: str, compiled: jax.stages.Compiled) -> bool:
         """Write ``compiled`` for ``key`` (temp file + rename: a reader never sees half an entry); False, with a
-        warning, when it cannot be serialized or written."""
+        warning, when it cannot be serialized or written, and False, logged at info, when it holds a
+        :data:`PROCESS_BOUND_CALL` (nothing to store: it would not load at the next start)."""
         path = self.path(key)
         bound = process_bound_call(compiled)
         if bound is not None:
