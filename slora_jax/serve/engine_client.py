@@ -308,8 +308,10 @@ class EngineClient(EngineHandle):
         with contextlib.suppress(EngineUnavailable):
             self._send(("stop",))
         if self.process is not None:
+            started = time.monotonic()
             with self._reaping:
                 _end(self.process, timeout)
+            log.info("the engine process stopped (%s) in %.1f s", _exit_text(self.process), time.monotonic() - started)
         self._receiver.join(timeout)
         with contextlib.suppress(OSError):
             self._conn.close()
