@@ -52,9 +52,10 @@ PASS_LINE = re.compile(r"HLO pass:? (?P<name>.+?) time: .*?\((?P<us>\d+) us\)")
 
 
 def engine_for(preset: str, kind: str = "server"):
-    """``server``: the server's defaults on this platform (batch 256 on a GPU, decode LoRA variants, pool from free
-    memory). ``suite``: an engine as the test suite builds them (tests/test_prefix_cache.py's: float32, reference
-    LoRA path, batch 8, 96 pages of 4 tokens, matmuls at full precision as tests/conftest.py asks on a GPU)."""
+    """``server``: the server's defaults on this platform (batch up to 512 on a GPU, as the pool holds, decode LoRA
+    variants, pool from free memory). ``suite``: an engine as the test suite builds them
+    (tests/test_prefix_cache.py's: float32, reference LoRA path, batch 8, 96 pages of 4 tokens, matmuls at full
+    precision as tests/conftest.py asks on a GPU)."""
     import jax
     import jax.numpy as jnp
     from serving import random_params
@@ -73,7 +74,8 @@ def engine_for(preset: str, kind: str = "server"):
         return Engine(cfg, random_params(cfg, jnp.float32), ecfg)
     on_gpu = jax.default_backend() == "gpu"
     max_len = min(cfg.max_position_embeddings, 2048)
-    ecfg = EngineConfig(max_batch_size=256 if on_gpu else 8, max_model_len=max_len, max_prefill_tokens=max_len,
+    ecfg = EngineConfig(max_batch_size=512 if on_gpu else 8, batch_from_pool=on_gpu, max_model_len=max_len,
+                        max_prefill_tokens=max_len,
                         page_size=16, max_lora_rank=64, max_loras=64, dtype="bfloat16" if on_gpu else "float32",
                         backend="pallas" if on_gpu else "reference", decode_lora_variants=on_gpu,
                         num_pages=None if on_gpu else 64)

@@ -6,15 +6,54 @@ from __future__ import annotations
 import jax
 import pytest
 
-from slora_jax.serve.cli import batch_size, build_engine, build_parser, max_loras
+from slora_jax.engine.config import EngineConfig
+from slora_jax.engine.engine import Engine
+from slora_jax.engine.sampling import SamplingParams
+from slora_jax.serve.cli import batch_from_pool, batch_size, build_engine, build_parser, max_loras
 
 
-@pytest.mark.parametrize("on_gpu,rows", [(True, 256), (False, 64)])
+@pytest.mark.parametrize("on_gpu,rows", [(True, 512), (False, 64)])
 def test_adapter_slots_follow_the_batch_unless_set(on_gpu, rows):
+    """A GPU's default batch is an upper bound the pool lowers; a batch the flags give is kept as given."""
     args = build_parser().parse_args([])
     assert batch_size(args, on_gpu) == rows and max_loras(args, rows) == rows
+    assert batch_from_pool(args, on_gpu) == on_gpu
     args = build_parser().parse_args(["--max-batch-size", "48", "--max-loras", "5"])
     assert batch_size(args, on_gpu) == 48 and max_loras(args, 48) == 5
+    assert not batch_from_pool(args, on_gpu)
+
+
+@pytest.mark.parametrize("pool_tokens,bound,rows", [
+    (208_000, 512, 512),  # a 7B model's pool on the H200: the bound
+    (104_000, 512, 256),  # an 80 GB card: 406 rows' worth, down to the power of two below
+    (65_536, 512, 256),  # exactly 256 tokens a row
+    (65_535, 512, 128),
+    (2_048, 512, 64),  # a small pool: never below 64
+    (2_048, 48, 48),  # a bound below 64 stays
+    (10**7, 512, 512),
+])
+def test_batch_from_pool_is_a_power_of_two_with_its_tokens_a_row(pool_tokens, bound, rows):
+    ecfg = EngineConfig(max_batch_size=bound, batch_from_pool=True).with_platform_defaults("gpu")
+    ecfg = ecfg.with_batch_from_pool(pool_tokens)
+    assert ecfg.max_batch_size == rows and ecfg.decode_buckets[-1] >= rows
+    assert EngineConfig(max_batch_size=bound).with_batch_from_pool(pool_tokens).max_batch_size == bound  # off
+
+
+@pytest.mark.parametrize("num_pages,rows", [(128, 64), (2048, 128)])
+def test_the_engine_lowers_its_batch_to_its_pool_and_serves(tiny_dir, num_pages, rows):
+    """16-token pages: 128 pages hold 2048 tokens (8 rows' worth, raised to 64), 2048 pages 32768 (128 rows). The
+    scheduler, the step's buckets and the sampler's rows all follow the lowered batch, and a request is served."""
+    ecfg = EngineConfig(max_batch_size=512, batch_from_pool=True, num_pages=num_pages, max_model_len=64,
+                        max_prefill_tokens=64, max_loras=4, max_lora_rank=8, dtype="float32")
+    engine = Engine.from_model_dir(tiny_dir, ecfg, progress=False)
+    try:
+        assert engine.ecfg.max_batch_size == rows and engine.scheduler.ecfg.max_batch_size == rows
+        assert engine.runner.ecfg.decode_buckets[-1] == rows
+        assert engine.runner.penalty_state.counts.shape[0] == rows
+        out = engine.generate([[3, 5, 7]], sampling=SamplingParams(temperature=0, max_tokens=3))
+        assert len(out[0]) == 3
+    finally:
+        engine.store.close()
 
 
 def test_the_engine_built_from_the_flags_has_one_slot_per_row(tiny_dir):

@@ -20,6 +20,9 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
 LAYER_LOOPS = ("auto", "scan", "unroll")
 POOL_FRACTION = 0.85  # of the device memory free after the weights, when the pool size is not given
 CPU_POOL_BYTES = 256 << 20
+# batch_from_pool: KV tokens of the pool per running row, and the least batch it lowers to
+ROW_TOKENS = 256
+MIN_POOL_BATCH = 64
 
 
 def resolve_layer_loop(layer_loop: str, platform: str) -> str:
@@ -98,6 +101,9 @@ class EngineConfig:
     # (starting that read) while other work can run, instead of blocking the engine thread on it (a 7B adapter's
     # read took ~85 ms on the H200 host); at most adapter_lookahead such requests a step. Off until measured there.
     admit_while_loading: bool = False
+    # max_batch_size is only an upper bound: the engine lowers it to what the pool holds once the pool is sized
+    # (with_batch_from_pool). The server's default on a GPU (bound 512)
+    batch_from_pool: bool = False
     prefix_cache: bool = False  # share full KV pages of prompts with the same adapter and token prefix
     min_prefill_bucket: int | None = None  # None: the backend's default for the platform (with_platform_defaults)
     # smallest decode batch compiled (fewer buckets = shorter warm-up); None: the backend's default for the platform
@@ -136,6 +142,18 @@ class EngineConfig:
         stats = device_memory_stats or {}
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
         return dataclasses.replace(self, pool_bytes=int(POOL_FRACTION * free) if free > 0 else CPU_POOL_BYTES)
+
+    def with_batch_from_pool(self, pool_tokens: int) -> EngineConfig:
+        """With ``batch_from_pool``: ``max_batch_size`` lowered to the largest power of two that leaves each row
+        ``ROW_TOKENS`` of the pool's ``pool_tokens`` (at least ``MIN_POOL_BATCH``). Admission already stops where the
+        pool does (each request reserves its worst-case KV), so the bound only keeps a small pool from compiling
+        and holding step memory for rows that could never run; a large pool gets the large batch (a 7B model on the
+        H200: 208k tokens, 512 rows; NOTES, session 21)."""
+        if not self.batch_from_pool:
+            return self
+        fits = 1 << max(0, (pool_tokens // ROW_TOKENS).bit_length() - 1)
+        batch = min(self.max_batch_size, max(MIN_POOL_BATCH, fits))
+        return self if batch == self.max_batch_size else dataclasses.replace(self, max_batch_size=batch)
 
     def with_platform_defaults(self, platform: str) -> EngineConfig:
         """Unset tile settings taken from the kernel backend's defaults for ``platform`` (the backend table owns

@@ -89,7 +89,8 @@ class Engine:
         self.pool = PagedPool(cfg, page_size=ecfg.page_size, max_slots=ecfg.max_loras, max_rank=ecfg.max_lora_rank,
                               num_pages=ecfg.num_pages, memory_bytes=None if ecfg.num_pages else ecfg.pool_bytes,
                               dtype=dtype, tp=self.tp)
-        ecfg = self.ecfg = ecfg.with_host_defaults(jax.default_backend(), compile_counter.available_memory())
+        ecfg = self.ecfg = ecfg.with_batch_from_pool(self.pool.num_pages * ecfg.page_size).with_host_defaults(
+            jax.default_backend(), compile_counter.available_memory())
         self.store = AdapterStore(cfg, self.pool, host_budget_bytes=ecfg.host_budget_bytes, max_rank=ecfg.max_lora_rank,
                                   dtype=np.dtype(dtype), max_host_adapters=ecfg.max_cpu_loras,
                                   max_staged=ecfg.max_staged_adapters, read_processes=ecfg.adapter_read_processes)
@@ -159,8 +160,7 @@ class Engine:
                                   f"{first_token_slo_s!r}", "first_token_slo_s")
         now = time.monotonic()
         seq = Sequence(prompt_ids=[int(t) for t in prompt_ids], adapter=adapter, sampling=sampling,
-                       on_output=on_output, arrival_time=now, tenant=tenant,
-                       grammar=None if grammar is None else grammar.fork(),
+                       on_output=on_output, arrival_time=now, tenant=tenant, grammar=grammar and grammar.fork(),
                        deadline=None if first_token_slo_s is None else now + first_token_slo_s)
         if request_id is not None:
             if request_id in self.requests:
