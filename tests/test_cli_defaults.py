@@ -35,7 +35,7 @@ def test_adapter_slots_follow_the_batch_unless_set(on_gpu, rows):
 def test_batch_from_pool_is_a_power_of_two_with_its_tokens_a_row(pool_tokens, bound, rows):
     ecfg = EngineConfig(max_batch_size=bound, batch_from_pool=True).with_platform_defaults("gpu")
     ecfg = ecfg.with_batch_from_pool(pool_tokens)
-    assert ecfg.max_batch_size == rows and ecfg.decode_buckets[-1] >= rows
+    assert ecfg.max_batch_size == rows and ecfg.decode_buckets[-1] >= rows > ecfg.decode_buckets[-2]
     assert EngineConfig(max_batch_size=bound).with_batch_from_pool(pool_tokens).max_batch_size == bound  # off
 
 

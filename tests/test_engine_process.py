@@ -59,7 +59,7 @@ def _stat(pid: int) -> tuple[str, int] | None:
     """(state, kernel flags) of ``pid`` from /proc, or None once it is reaped."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between the open and the read
         return None
     return fields[0], int(fields[6])
 

@@ -300,13 +300,14 @@ def batch_size(args: argparse.Namespace, on_gpu: bool) -> int:
 
 def batch_from_pool(args: argparse.Namespace, on_gpu: bool) -> bool:
     """Whether the engine lowers the batch to what its pool holds (``EngineConfig.batch_from_pool``): on a GPU
-    without --max-batch-size. At 512 rows S1 on the H200 ran 3% more requests a second than at 256, with half the
-    time to first token at saturation and twice the time between tokens (NOTES, session 21)."""
+    without --max-batch-size. At 512 rows S1 on the H200 ran 3% more requests a second than at 256, with 44% less
+    time to first token at saturation and 1.8x the time between tokens (NOTES, session 21)."""
     return on_gpu and not args.max_batch_size
 
 
 def max_loras(args: argparse.Namespace, batch: int) -> int:
-    """Adapter slots: --max-loras, else one per running sequence. A slot costs only its table row; its pages come
+    """Adapter slots: --max-loras, else one per running sequence of the batch's bound (the pool may lower the batch,
+    not the slots: they are fixed when the pool is built). A slot costs only its table row; its pages come
     from the shared pool as the adapter is loaded. With 64 slots for a batch of 256 on the H200, S1 (2000 adapters,
     power-law popularity) ran ~72 sequences a step: the rest waited for a slot, not for memory."""
     return args.max_loras or batch
@@ -426,8 +427,8 @@ def build_engine_parts(args: argparse.Namespace):
     if capacity < max_len:
         log.warning("the pool holds %d tokens of KV, less than --max-model-len %d: longer requests will be refused",
                     capacity, max_len)
-    log.info("pool: %d pages of %d tokens (%.2f GiB), KV and adapters together", pool["num_pages"],
-             ecfg.page_size, pool["pool_bytes"] / 2**30)
+    log.info("pool: %d pages of %d tokens (%.2f GiB), KV and adapters together; batch up to %d rows",
+             pool["num_pages"], ecfg.page_size, pool["pool_bytes"] / 2**30, engine.ecfg.max_batch_size)
 
     t = time.monotonic()
     register_adapters(engine, name, lora_modules, adapter_dirs)
