@@ -68,6 +68,26 @@ def test_the_engine_built_from_the_flags_has_one_slot_per_row(tiny_dir):
     assert engine.pool.max_slots == 3
 
 
+def test_a_gpu_server_without_a_batch_flag_takes_its_batch_from_the_pool(tiny_dir, monkeypatch):
+    """The server's GPU default end to end (the platform check patched; CPU kernels): 128 pages of 16 tokens lower
+    the 512-row bound to 64 rows, the slots stay at the bound, and --max-batch-size is kept as given."""
+    from slora_jax.serve import cli
+
+    monkeypatch.setattr(cli, "_on_gpu", lambda: True)
+    base = ["--model", str(tiny_dir), "--num-pages", "128", "--max-model-len", "64", "--no-warmup",
+            "--no-compilation-cache", "--backend", "reference", "--dtype", "float32"]
+    engine, _, _ = build_engine(build_parser().parse_args(base))
+    try:
+        assert engine.ecfg.batch_from_pool and engine.ecfg.max_batch_size == 64 and engine.pool.max_slots == 512
+    finally:
+        engine.store.close()
+    engine, _, _ = build_engine(build_parser().parse_args(base + ["--max-batch-size", "200"]))
+    try:
+        assert not engine.ecfg.batch_from_pool and engine.ecfg.max_batch_size == 200
+    finally:
+        engine.store.close()
+
+
 def test_adapter_host_memory_and_read_processes_follow_the_host_unless_set(tiny_dir, monkeypatch):
     """Host rows: 40% of the memory available at start unless --adapter-host-gb; reads on the IO threads on CPU
     unless --adapter-read-processes (5 worker processes on an accelerator)."""
