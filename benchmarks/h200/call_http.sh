@@ -24,6 +24,9 @@
 #       AIPERF_PYTHON=PATH: a Python that has aiperf (no install; e.g. a venv on a dev box).
 #   ADAPTER_SET=S2 (or all7) bash benchmarks/h200/call_http.sh ep   # S-LoRA's S2 adapters (ranks 64,32,16,8) or
 #       rank 8 on all 7 projections instead of S1 (written first: ~1-2 min more); the report's name ends _S2 / _all7
+#   ADAPTER_SETS="S1 all7" bash benchmarks/h200/call_http.sh ep   # several sets one after the other in one call, on
+#       one machine (issue 14's ratios); SET:N takes N adapters instead of N_ADAPTERS (S2:5 is S2 n=5; its report
+#       ends _S2_n5). Each gets the time the ones before it left (a set that would start with < 120 s is skipped)
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 # shellcheck source=benchmarks/h200/setup.sh
@@ -48,35 +51,43 @@ if [ -n "${AIPERF:-}" ]; then
     [ -n "$AIPERF_PY" ] && extra+=(--aiperf --aiperf-python "$AIPERF_PY")
 fi
 
-for mode in "$@"; do
-    case "$mode" in
-        ep) name=engine_process; flag=(--engine-process) ;;
-        thread) name=engine_thread; flag=(--no-engine-process) ;;  # the command's default is the engine process
-        *) echo "call_http.sh: mode '$mode' is neither ep nor thread" >&2; exit 2 ;;
-    esac
-    have_inproc=$(python3 -c "import glob, json, sys
+sets=${ADAPTER_SETS:-${ADAPTER_SET:-}}
+for entry in ${sets:-S1}; do
+    adapter_set=${entry%%:*}
+    n_adapters=${N_ADAPTERS:-2000}
+    [ "$entry" != "$adapter_set" ] && n_adapters=${entry#*:}
+    suffix=""
+    [ -n "$sets" ] && suffix=_$adapter_set
+    [ "$n_adapters" != 2000 ] && [ -n "$sets" ] && suffix=${suffix}_n$n_adapters
+    for mode in "$@"; do
+        case "$mode" in
+            ep) name=engine_process; flag=(--engine-process) ;;
+            thread) name=engine_thread; flag=(--no-engine-process) ;;  # the command's default is the engine process
+            *) echo "call_http.sh: mode '$mode' is neither ep nor thread" >&2; exit 2 ;;
+        esac
+        have_inproc=$(python3 -c "import glob, json, sys
 print(''.join('y' for p in glob.glob(sys.argv[1] + '/reports/*.json') if json.load(open(p)).get('in_process', {}).get('results')))" "$WORK")
-    case "${INPROC:-auto}" in
-        1) inproc=sat ;;
-        0) inproc="" ;;
-        *) if [ -n "$have_inproc" ]; then inproc=""; else inproc=sat; fi ;;
-    esac
-    L=$(left)
-    budget=$((L - 40)); reserve=0
-    [ -n "$inproc" ] && reserve=130
-    if [ "$budget" -lt 120 ]; then echo "== $mode: skipped, only $L s left in this call"; continue; fi
-    report=$OUT/${DATE}_http_serving_h200_$name${ADAPTER_SET:+_$ADAPTER_SET}.json
-    rm -f "$WORK/in_process.log" "$WORK/server.log"
-    echo "== $mode: budget $budget s, reserve $reserve s, in-process '${inproc}', aiperf \
+        case "${INPROC:-auto}" in
+            1) inproc=sat ;;
+            0) inproc="" ;;
+            *) if [ -n "$have_inproc" ]; then inproc=""; else inproc=sat; fi ;;
+        esac
+        L=$(left)
+        budget=$((L - 40)); reserve=0
+        [ -n "$inproc" ] && reserve=130
+        if [ "$budget" -lt 120 ]; then echo "== $mode: skipped, only $L s left in this call"; continue; fi
+        report=$OUT/${DATE}_http_serving_h200_$name$suffix.json
+        rm -f "$WORK/in_process.log" "$WORK/server.log"
+        echo "== $mode $adapter_set n=$n_adapters: budget $budget s, reserve $reserve s, in-process '${inproc}', aiperf \
 '$([ -n "${AIPERF_PY:-}" ] && echo sat)', $(nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null || echo '?') in use"
-    timeout -k 15 $((L - 15)) python3 benchmarks/http_serving.py --preset "$PRESET" --n-adapters "${N_ADAPTERS:-2000}" \
-        --distinct-adapters 20 --adapter-set "${ADAPTER_SET:-S1}" --work-dir "$WORK" --rates "${RATES:-sat,x0.7}" --in-process-rates "$inproc" \
-        --budget-s "$budget" --reserve-s "$reserve" --in-process-min-s 100 --out "$report" "${flag[@]}" "${extra[@]}" \
-        >"$OUT/http_$mode.log" 2>&1
-    rc=$?
-    grep -E "^(device|server|http|openai|in-process|skip|aiperf)|Error|error:" "$OUT/http_$mode.log" | cut -c1-220 | tail -n 12
-    if [ -n "${AIPERF_PY:-}" ] && [ -f "$report" ]; then  # issue 13: a client nobody here wrote, within 10% of ours
-        python3 -c 'import json, sys
+        timeout -k 15 $((L - 15)) python3 benchmarks/http_serving.py --preset "$PRESET" --n-adapters "$n_adapters" \
+            --distinct-adapters 20 --adapter-set "$adapter_set" --work-dir "$WORK" --rates "${RATES:-sat,x0.7}" --in-process-rates "$inproc" \
+            --budget-s "$budget" --reserve-s "$reserve" --in-process-min-s 100 --out "$report" "${flag[@]}" "${extra[@]}" \
+            >"$OUT/http_$mode$suffix.log" 2>&1
+        rc=$?
+        grep -E "^(device|server|http|openai|in-process|skip|aiperf)|Error|error:" "$OUT/http_$mode$suffix.log" | cut -c1-220 | tail -n 12
+        if [ -n "${AIPERF_PY:-}" ] && [ -f "$report" ]; then  # issue 13: a client nobody here wrote, within 10% of ours
+            python3 -c 'import json, sys
 d = json.load(open(sys.argv[1]))
 ours = next((r for r in d.get("http", []) if r.get("as") == "sat"), None)
 ai = next((r for r in d.get("aiperf") or [] if r.get("as") == "sat"), None)
@@ -94,13 +105,14 @@ elif ai:
 else:
     line += "-; aiperf did not run (budget?)"
 print(line)' "$report" "$mode"
-        # aiperf's own log, when one mode runs (two modes already write 7 files)
-        [ $# -eq 1 ] && [ -f "$WORK/aiperf-sat/aiperf_stdout.log" ] && cp "$WORK/aiperf-sat/aiperf_stdout.log" "$OUT/aiperf_$mode.log"
-    fi
-    echo "== $mode: exit $rc$([ $rc -eq 124 ] && echo ' (cut by the limit)')"
-    cp "$WORK/server.log" "$OUT/server_$mode.log" 2>/dev/null
-    [ -f "$WORK/in_process.log" ] && cp "$WORK/in_process.log" "$OUT/in_process.log"
-    [ -f "$report" ] && cp "$report" "$WORK/reports/"
+            # aiperf's own log, when one mode runs (two modes already write 7 files)
+            [ $# -eq 1 ] && [ -f "$WORK/aiperf-sat/aiperf_stdout.log" ] && cp "$WORK/aiperf-sat/aiperf_stdout.log" "$OUT/aiperf_$mode$suffix.log"
+        fi
+        echo "== $mode: exit $rc$([ $rc -eq 124 ] && echo ' (cut by the limit)')"
+        cp "$WORK/server.log" "$OUT/server_$mode$suffix.log" 2>/dev/null
+        [ -f "$WORK/in_process.log" ] && cp "$WORK/in_process.log" "$OUT/in_process.log"
+        [ -f "$report" ] && cp "$report" "$WORK/reports/"
+    done
 done
 # every report on this machine (3a's too, when 3b runs in a later call on the same warm machine)
 python3 benchmarks/h200/summary.py http "$WORK"/reports/*.json

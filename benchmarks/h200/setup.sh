@@ -27,7 +27,11 @@ if [ -z "${H200_DRY:-}" ]; then
 else
     export PYTHONPATH=.
 fi
-python3 benchmarks/h200/preflight.py --site "${PYTHONPATH%%:*}" || return 1
+if [ -z "${H200_DRY:-}" ]; then
+    python3 benchmarks/h200/preflight.py --site "${PYTHONPATH%%:*}" || return 1
+else  # the site would be the repo root: a top-up would install wheels into the work tree
+    echo "preflight: skipped (dry run)"
+fi
 echo "setup: $(date -u +%FT%TZ) commit $SLORA_GIT_COMMIT; $(nvidia-smi --query-gpu=name,memory.used,memory.total \
 --format=csv,noheader 2>/dev/null || echo 'no nvidia-smi'); $(nproc) cores; $(( $(left) )) s left in this call"
 
