@@ -63,6 +63,7 @@ def engine_for(preset: str, kind: str = "server"):
     from slora_jax.engine.config import EngineConfig
     from slora_jax.engine.engine import Engine
     from slora_jax.model.config import ModelConfig
+    from slora_jax.serve.cli import GPU_BATCH_BOUND
     from slora_jax.tools.synth import preset_config
 
     cfg = ModelConfig.from_dict(preset_config(preset))
@@ -74,9 +75,9 @@ def engine_for(preset: str, kind: str = "server"):
         return Engine(cfg, random_params(cfg, jnp.float32), ecfg)
     on_gpu = jax.default_backend() == "gpu"
     max_len = min(cfg.max_position_embeddings, 2048)
-    ecfg = EngineConfig(max_batch_size=512 if on_gpu else 8, batch_from_pool=on_gpu, max_model_len=max_len,
-                        max_prefill_tokens=max_len,
-                        page_size=16, max_lora_rank=64, max_loras=64, dtype="bfloat16" if on_gpu else "float32",
+    ecfg = EngineConfig(max_batch_size=GPU_BATCH_BOUND if on_gpu else 8, batch_from_pool=on_gpu,
+                        max_model_len=max_len, max_prefill_tokens=max_len, page_size=16, max_lora_rank=64,
+                        max_loras=64, dtype="bfloat16" if on_gpu else "float32",
                         backend="pallas" if on_gpu else "reference", decode_lora_variants=on_gpu,
                         num_pages=None if on_gpu else 64)
     return Engine(cfg, random_params(cfg, jnp.bfloat16 if on_gpu else jnp.float32), ecfg)
