@@ -52,7 +52,7 @@ PASS_LINE = re.compile(r"HLO pass:? (?P<name>.+?) time: .*?\((?P<us>\d+) us\)")
 
 
 def engine_for(preset: str, kind: str = "server"):
-    """``server``: the server's defaults on this platform (batch up to 512 on a GPU, as the pool holds, decode LoRA
+    """``server``: the server's defaults on this platform (batch up to 256 on a GPU, as the pool holds, decode LoRA
     variants, pool from free memory). ``suite``: an engine as the test suite builds them
     (tests/test_prefix_cache.py's: float32, reference LoRA path, batch 8, 96 pages of 4 tokens, matmuls at full
     precision as tests/conftest.py asks on a GPU)."""

@@ -12,7 +12,7 @@ from slora_jax.engine.sampling import SamplingParams
 from slora_jax.serve.cli import batch_from_pool, batch_size, build_engine, build_parser, max_loras
 
 
-@pytest.mark.parametrize("on_gpu,rows", [(True, 512), (False, 64)])
+@pytest.mark.parametrize("on_gpu,rows", [(True, 256), (False, 64)])
 def test_adapter_slots_follow_the_batch_unless_set(on_gpu, rows):
     """A GPU's default batch is an upper bound the pool lowers; a batch the flags give is kept as given."""
     args = build_parser().parse_args([])
@@ -70,7 +70,7 @@ def test_the_engine_built_from_the_flags_has_one_slot_per_row(tiny_dir):
 
 def test_a_gpu_server_without_a_batch_flag_takes_its_batch_from_the_pool(tiny_dir, monkeypatch):
     """The server's GPU default end to end (the platform check patched; CPU kernels): 128 pages of 16 tokens lower
-    the 512-row bound to 64 rows, the slots stay at the bound, and --max-batch-size is kept as given."""
+    the server's bound (256 rows) to 64 rows, the slots stay at the bound, and --max-batch-size is kept as given."""
     from slora_jax.serve import cli
 
     monkeypatch.setattr(cli, "_on_gpu", lambda: True)
@@ -78,7 +78,8 @@ def test_a_gpu_server_without_a_batch_flag_takes_its_batch_from_the_pool(tiny_di
             "--no-compilation-cache", "--backend", "reference", "--dtype", "float32"]
     engine, _, _ = build_engine(build_parser().parse_args(base))
     try:
-        assert engine.ecfg.batch_from_pool and engine.ecfg.max_batch_size == 64 and engine.pool.max_slots == 512
+        assert engine.ecfg.batch_from_pool and engine.ecfg.max_batch_size == 64
+        assert engine.pool.max_slots == cli.GPU_BATCH_BOUND == 256
     finally:
         engine.store.close()
     engine, _, _ = build_engine(build_parser().parse_args(base + ["--max-batch-size", "200"]))

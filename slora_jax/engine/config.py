@@ -102,7 +102,7 @@ class EngineConfig:
     # read took ~85 ms on the H200 host); at most adapter_lookahead such requests a step. Off until measured there.
     admit_while_loading: bool = False
     # max_batch_size is only an upper bound: the engine lowers it to what the pool holds once the pool is sized
-    # (with_batch_from_pool). The server's default on a GPU (bound 512)
+    # (with_batch_from_pool). The server's default on a GPU (bound 256)
     batch_from_pool: bool = False
     prefix_cache: bool = False  # share full KV pages of prompts with the same adapter and token prefix
     min_prefill_bucket: int | None = None  # None: the backend's default for the platform (with_platform_defaults)
@@ -147,8 +147,8 @@ class EngineConfig:
         """With ``batch_from_pool``: ``max_batch_size`` lowered to the largest power of two that leaves each row
         ``ROW_TOKENS`` of the pool's ``pool_tokens`` (at least ``MIN_POOL_BATCH``). Admission already stops where the
         pool does (each request reserves its worst-case KV), so the bound only keeps a small pool from compiling
-        and holding step memory for rows that could never run; a large pool gets the large batch (a 7B model on the
-        H200: 208k tokens, 512 rows; NOTES, session 21)."""
+        and holding step memory for rows that could never run; a large pool gets the whole bound (a 7B model's pool
+        on the H200, 208k tokens, would hold 512 rows; the server's bound is 256: NOTES, sessions 21-22)."""
         if not self.batch_from_pool:
             return self
         fits = 1 << max(0, (pool_tokens // ROW_TOKENS).bit_length() - 1)

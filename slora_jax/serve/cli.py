@@ -24,7 +24,7 @@ from ..engine.policies import POLICIES
 from .config import DEFAULT_TENANT_HEADER, PROMPT_CHARS_PER_TOKEN, ServerConfig, check_api_key, check_header_name
 
 log = logging.getLogger("slora_jax.serve")
-GPU_BATCH_BOUND = 512  # a GPU server's batch without --max-batch-size: this, lowered to what the pool holds
+GPU_BATCH_BOUND = 256  # a GPU server's batch without --max-batch-size: this, lowered to what the pool holds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -300,8 +300,9 @@ def batch_size(args: argparse.Namespace, on_gpu: bool) -> int:
 
 def batch_from_pool(args: argparse.Namespace, on_gpu: bool) -> bool:
     """Whether the engine lowers the batch to what its pool holds (``EngineConfig.batch_from_pool``): on a GPU
-    without --max-batch-size. At 512 rows S1 on the H200 ran 3% more requests a second than at 256, with 44% less
-    time to first token at saturation and 1.8x the time between tokens (NOTES, session 21)."""
+    without --max-batch-size. The bound is 256, not 512: on the H200 512 rows gave S1 +3% requests a second but
+    S2 with 2000 adapters -4.7% (its adapters' pages took the KV's), and 1.8x the time between tokens (NOTES,
+    sessions 21-22)."""
     return on_gpu and not args.max_batch_size
 
 
