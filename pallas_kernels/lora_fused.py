@@ -105,28 +105,40 @@ def _pow2_tile(tile_elems: int, r_b: int, vdim: int, span: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def _shrink(x_ref, pool_ref, pages_ref, row: _Row, a_off, r_b, lo, hi, span, g: _Geom):
-    """``sum over chunks [lo, hi) of A^T[k] . x[t]`` for k < r_b (unscaled; zero for k >= rank): float32 [r_b]."""
-    c = _pow2_tile(g.tile_elems, r_b, g.vdim, span)
+def _live(mask, live):
+    """``mask`` for a row that may be padding (``live`` traced), or as it is for the program's own row (True)."""
+    return mask if live is True else mask & live
+
+
+def _shrink(x_ref, pool_ref, pages_ref, row: _Row, a_off, r_b, lo, hi, span, g: _Geom, rows=None) -> list[jax.Array]:
+    """``sum over chunks [lo, hi) of A^T[k] . x[t]`` for k < r_b (unscaled; zero for k >= rank): float32 [r_b] for
+    each (t, live) of ``rows`` (default: the program's own row). Each A tile is loaded once for all of them."""
+    rows = rows or [(row.t, True)]
+    c = _pow2_tile(g.tile_elems, max(r_b, len(rows)), g.vdim, span)
     k = jnp.arange(r_b, dtype=jnp.int32)
     kmask = k < row.rank
     row0 = a_off + k * g.n_chunks  # virtual vector of A^T row k, chunk 0
     lane = jnp.arange(g.vdim, dtype=jnp.int32)
 
-    def step(j, acc):
+    def step(j, accs):
         cc = lo + j * c + jnp.arange(c, dtype=jnp.int32)
         cmask = cc < hi
         a = _gather(pool_ref, pages_ref, row, row0[:, None] + cc[None, :], kmask[:, None] & cmask[None, :], g)
-        xc = load(x_ref.at[row.t, cc[:, None], lane[None, :]], mask=cmask[:, None], other=0)
-        return acc + jnp.sum(a.astype(_F32) * xc.astype(_F32)[None, :, :], axis=2)
+        a = a.astype(_F32)
+        out = []
+        for acc, (t, live) in zip(accs, rows, strict=True):
+            xc = load(x_ref.at[t, cc[:, None], lane[None, :]], mask=_live(cmask, live)[:, None], other=0)
+            out.append(acc + jnp.sum(a * xc.astype(_F32)[None, :, :], axis=2))
+        return tuple(out)
 
-    acc = lax.fori_loop(0, -(-span // c), step, jnp.zeros((r_b, c), _F32))
-    return jnp.sum(acc, axis=1)
+    accs = lax.fori_loop(0, -(-span // c), step, (jnp.zeros((r_b, c), _F32),) * len(rows))
+    return [jnp.sum(acc, axis=1) for acc in accs]
 
 
-def _expand_tiles(pool_ref, pages_ref, base_ref, row: _Row, b_off, n_out, col0, first, r_b, g: _Geom):
-    """(vectors per tile, tile(e) -> loads of step e, apply(loads, u, out_ref) -> stores) for the program's block."""
-    n_c = _pow2_tile(g.tile_elems, r_b, g.vdim, g.vecs)
+def _expand_tiles(pool_ref, pages_ref, base_ref, row: _Row, b_off, n_out, col0, first, r_b, g: _Geom, rows):
+    """(vectors per tile, tile(e) -> loads of step e, apply(loads, us, out_ref) -> stores) for the program's block,
+    each B tile loaded once for every row of ``rows``."""
+    n_c = _pow2_tile(g.tile_elems, max(r_b, len(rows)), g.vdim, g.vecs)
     k = jnp.arange(r_b, dtype=jnp.int32)
     kmask = k < row.rank
     row0 = b_off + k * n_out  # virtual vector of B row k, output vector 0
@@ -138,29 +150,33 @@ def _expand_tiles(pool_ref, pages_ref, base_ref, row: _Row, b_off, n_out, col0, 
         cmask = cv < limit
         b = _gather(pool_ref, pages_ref, row, row0[:, None] + cv[None, :], kmask[:, None] & cmask[None, :], g)
         cols = (col0 + cv)[:, None] * g.vdim + lane[None, :]  # base and out are [T, D]: vector c is columns c*V + lane
-        old = load(base_ref.at[row.t, cols], mask=cmask[:, None], other=0)
-        return b, old, cols, cmask
+        olds = [load(base_ref.at[t, cols], mask=_live(cmask, live)[:, None], other=0) for t, live in rows]
+        return b, olds, cols, cmask
 
-    def apply(loads, u, out_ref):
-        b, old, cols, cmask = loads
-        new = old.astype(_F32) + jnp.sum(b.astype(_F32) * u[:, None, None], axis=0)
-        store(out_ref.at[row.t, cols], new.astype(out_ref.dtype), mask=cmask[:, None])
+    def apply(loads, us, out_ref):
+        b, olds, cols, cmask = loads
+        b = b.astype(_F32)
+        for old, u, (t, live) in zip(olds, us, rows, strict=True):
+            new = old.astype(_F32) + jnp.sum(b * u[:, None, None], axis=0)
+            store(out_ref.at[t, cols], new.astype(out_ref.dtype), mask=_live(cmask, live)[:, None])
 
     return n_c, tile, apply
 
 
-def _expand(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, g, u_fn):
-    """``out = base + u @ B`` over the program's block; ``u_fn()`` gives the scaled [r_b] intermediate. A block of
-    one tile has its B and base loads issued before ``u_fn`` runs, so they arrive while the shrink streams A."""
-    n_c, tile, apply = _expand_tiles(pool_ref, pages_ref, base_ref, row, b_off, n_out, col0, first, r_b, g)
+def _expand(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, g, u_fn, rows=None):
+    """``out = base + u @ B`` over the program's block for each row of ``rows`` (default: its own); ``u_fn()`` gives
+    the scaled [r_b] intermediates, one a row. A block of one tile has its B and base loads issued before ``u_fn``
+    runs, so they arrive while the shrink streams A."""
+    rows = rows or [(row.t, True)]
+    n_c, tile, apply = _expand_tiles(pool_ref, pages_ref, base_ref, row, b_off, n_out, col0, first, r_b, g, rows)
     if min(g.vecs, max(g.out_vecs)) <= n_c:
         loads = tile(0)
         apply(loads, u_fn(), out_ref)
         return
-    u = u_fn()
+    us = u_fn()
 
     def step(e, carry):
-        apply(tile(e), u, out_ref)
+        apply(tile(e), us, out_ref)
         return carry
 
     lax.fori_loop(0, lax.div(jnp.minimum(first + g.vecs, n_out) - first + (n_c - 1), n_c), step, _I0)
@@ -174,110 +190,41 @@ def _block(j, g: _Geom):
 
 def _fused_kernel(layer_ref, lbase_ref, slot_ref, rank_ref, aoff_ref, boff_ref, scale_ref, pages_ref, x_ref, pool_ref,
                   base_ref, out_ref, *, g: _Geom):
-    j, t = pl.program_id(0), pl.program_id(1)
-    i, m, n_out, col0, first = _block(j, g)
-    row = _row(layer_ref, lbase_ref, slot_ref, rank_ref, t, m)
-    a_off, b_off = aoff_ref[row.s, row.layer, m], boff_ref[row.s, row.layer, m]
-    scale = scale_ref[row.s, row.layer, m]
-
-    def body(r_b):
-        def u_fn():
-            return _shrink(x_ref, pool_ref, pages_ref, row, a_off, r_b, 0, g.n_chunks, g.n_chunks, g) * scale
-
-        _expand(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, g, u_fn)
-
-    _by_class(row, g.classes, body)
-
-
-def _run_rows(row: _Row, n, n_rows: int, g: _Geom) -> list[tuple[jax.Array, jax.Array]]:
-    """(row index, live) of each of the program's ``shared_rows`` rows: ``n`` of them live, the rest clamped."""
-    return [(jnp.minimum(row.t + q, n_rows - 1), q < n) for q in range(g.shared_rows)]
-
-
-def _shrink_rows(x_ref, pool_ref, pages_ref, row: _Row, a_off, r_b, rows, g: _Geom) -> list[jax.Array]:
-    """:func:`_shrink` for every row of a run at once: each A tile is loaded once and used by all of them."""
-    c = _pow2_tile(g.tile_elems, max(r_b, g.shared_rows), g.vdim, g.n_chunks)
-    k = jnp.arange(r_b, dtype=jnp.int32)
-    row0 = a_off + k * g.n_chunks
-    lane = jnp.arange(g.vdim, dtype=jnp.int32)
-
-    def step(j, accs):
-        cc = j * c + jnp.arange(c, dtype=jnp.int32)
-        cmask = cc < g.n_chunks
-        a = _gather(pool_ref, pages_ref, row, row0[:, None] + cc[None, :], (k < row.rank)[:, None] & cmask[None, :],
-                    g).astype(_F32)
-        out = []
-        for acc, (t, live) in zip(accs, rows, strict=True):
-            xc = load(x_ref.at[t, cc[:, None], lane[None, :]], mask=(cmask & live)[:, None], other=0)
-            out.append(acc + jnp.sum(a * xc.astype(_F32)[None, :, :], axis=2))
-        return tuple(out)
-
-    zero = jnp.zeros((r_b, c), _F32)
-    accs = lax.fori_loop(0, -(-g.n_chunks // c), step, (zero,) * len(rows))
-    return [jnp.sum(acc, axis=1) for acc in accs]
-
-
-def _expand_rows(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, rows, g, u_fn):
-    """:func:`_expand` for every row of a run: each B tile is loaded once; ``u_fn()`` gives one [r_b] per row."""
-    n_c = _pow2_tile(g.tile_elems, max(r_b, g.shared_rows), g.vdim, g.vecs)
-    k = jnp.arange(r_b, dtype=jnp.int32)
-    row0 = b_off + k * n_out
-    lane = jnp.arange(g.vdim, dtype=jnp.int32)
-    limit = jnp.minimum(first + g.vecs, n_out)
-
-    def tile(e):
-        cv = first + e * n_c + jnp.arange(n_c, dtype=jnp.int32)
-        cmask = cv < limit
-        b = _gather(pool_ref, pages_ref, row, row0[:, None] + cv[None, :], (k < row.rank)[:, None] & cmask[None, :], g)
-        cols = (col0 + cv)[:, None] * g.vdim + lane[None, :]
-        olds = [load(base_ref.at[t, cols], mask=(cmask & live)[:, None], other=0) for t, live in rows]
-        return b, olds, cols, cmask
-
-    def apply(loads, us):
-        b, olds, cols, cmask = loads
-        b = b.astype(_F32)
-        for old, u, (t, live) in zip(olds, us, rows, strict=True):
-            new = old.astype(_F32) + jnp.sum(b * u[:, None, None], axis=0)
-            store(out_ref.at[t, cols], new.astype(out_ref.dtype), mask=(cmask & live)[:, None])
-
-    if min(g.vecs, max(g.out_vecs)) <= n_c:
-        loads = tile(0)
-        apply(loads, u_fn())
-        return
-    us = u_fn()
-
-    def step(e, carry):
-        apply(tile(e), us)
-        return carry
-
-    lax.fori_loop(0, lax.div(limit - first + (n_c - 1), n_c), step, _I0)
+    _fused_body(pl.program_id(0), pl.program_id(1), None, layer_ref, lbase_ref, slot_ref, rank_ref, aoff_ref,
+                boff_ref, scale_ref, pages_ref, x_ref, pool_ref, base_ref, out_ref, g)
 
 
 def _shared_kernel(layer_ref, lbase_ref, run_ref, slot_ref, rank_ref, aoff_ref, boff_ref, scale_ref, pages_ref, x_ref,
                    pool_ref, base_ref, out_ref, *, g: _Geom):
     """The fused kernel over runs of rows of one adapter: program (block, t) serves rows t .. t + run[t] - 1."""
-    j, t = pl.program_id(0), pl.program_id(1)
-    n = run_ref[t]
+    t = pl.program_id(1)
+    _fused_body(pl.program_id(0), t, run_ref[t], layer_ref, lbase_ref, slot_ref, rank_ref, aoff_ref, boff_ref,
+                scale_ref, pages_ref, x_ref, pool_ref, base_ref, out_ref, g)
+
+
+def _fused_body(j, t, n, layer_ref, lbase_ref, slot_ref, rank_ref, aoff_ref, boff_ref, scale_ref, pages_ref, x_ref,
+                pool_ref, base_ref, out_ref, g: _Geom):
+    """Block j of row t's module (``n`` None), or of the run of ``n`` rows from t (one-row body when n == 1, nothing
+    when n == 0: row t is inside another program's run)."""
     i, m, n_out, col0, first = _block(j, g)
     row = _row(layer_ref, lbase_ref, slot_ref, rank_ref, t, m)
     a_off, b_off = aoff_ref[row.s, row.layer, m], boff_ref[row.s, row.layer, m]
     scale = scale_ref[row.s, row.layer, m]
-    rows = _run_rows(row, n, x_ref.shape[0], g)
 
-    def one(r_b):
+    def body(rows, r_b):
         def u_fn():
-            return _shrink(x_ref, pool_ref, pages_ref, row, a_off, r_b, 0, g.n_chunks, g.n_chunks, g) * scale
+            us = _shrink(x_ref, pool_ref, pages_ref, row, a_off, r_b, 0, g.n_chunks, g.n_chunks, g, rows)
+            return [u * scale for u in us]
 
-        _expand(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, g, u_fn)
+        _expand(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, g, u_fn, rows)
 
-    def shared(r_b):
-        def u_fn():
-            return [u * scale for u in _shrink_rows(x_ref, pool_ref, pages_ref, row, a_off, r_b, rows, g)]
-
-        _expand_rows(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, rows, g, u_fn)
-
-    pl.when(n == 1)(lambda: _by_class(row, g.classes, one))
-    pl.when(n > 1)(lambda: _by_class(row, g.classes, shared))
+    if n is None:
+        _by_class(row, g.classes, functools.partial(body, None))
+        return
+    # the run's rows: n of them live, the rest clamped to the last row and masked
+    rows = [(jnp.minimum(t + q, x_ref.shape[0] - 1), q < n) for q in range(g.shared_rows)]
+    pl.when(n == 1)(lambda: _by_class(row, g.classes, functools.partial(body, None)))
+    pl.when(n > 1)(lambda: _by_class(row, g.classes, functools.partial(body, rows)))
 
 
 def run_lengths(row_slot: jax.Array, shared_rows: int) -> jax.Array:
@@ -303,7 +250,7 @@ def _split_shrink_kernel(layer_ref, lbase_ref, slot_ref, rank_ref, aoff_ref, pag
     hi = jnp.minimum(lo + g.chunks_per_split, g.n_chunks)
 
     def body(r_b):
-        u = _shrink(x_ref, pool_ref, pages_ref, row, a_off, r_b, lo, hi, g.chunks_per_split, g)
+        u = _shrink(x_ref, pool_ref, pages_ref, row, a_off, r_b, lo, hi, g.chunks_per_split, g)[0]
         store(y_ref.at[sp, t, i, jnp.arange(r_b, dtype=jnp.int32)], u)
 
     _by_class(row, g.classes, body)
@@ -321,7 +268,7 @@ def _split_expand_kernel(layer_ref, lbase_ref, slot_ref, rank_ref, boff_ref, sca
         def u_fn():  # the shrink's partials, one per d_in split (entries of other rows' classes are never read)
             k = jnp.arange(r_b, dtype=jnp.int32)
             parts = load(y_ref.at[sv[:, None], t, i, k[None, :]], mask=(sv < g.splits)[:, None], other=0.0)
-            return jnp.sum(parts, axis=0) * scale
+            return [jnp.sum(parts, axis=0) * scale]
 
         _expand(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, g, u_fn)
 
