@@ -57,6 +57,7 @@ def parse_args():
     p.add_argument("--shared-rows", action="store_true",
                    help="only decode batches whose rows share adapters: a program a row against a program a run of "
                         "one adapter's rows (FusedTuning.shared_rows), rows ordered by adapter as the engine does")
+    p.add_argument("--shared-cases", default=None, help="with --shared-rows: only these cases (indices, e.g. 0,3)")
     return p.parse_args()
 
 
@@ -624,7 +625,8 @@ SHARED_RANK = 16
 def shared_rows_table(pool, rng, copy_gbps) -> list[dict]:
     """One whole layer (all 7 projections, rank 16) per variant and case, each checked against the reference."""
     out = []
-    for n, what, adapters_of in SHARED_CASES:
+    picked = [int(i) for i in ARGS.shared_cases.split(",")] if ARGS.shared_cases else range(len(SHARED_CASES))
+    for n, what, adapters_of in (SHARED_CASES[i] for i in picked):
         row_adapter = np.sort(adapters_of(rng)).astype(np.int32)
         n_ad = int(row_adapter.max()) + 1
         table = make_table(rng, [SHARED_RANK] * n_ad, pool.shape[1])
