@@ -125,10 +125,6 @@ def main() -> None:
     ap.add_argument("--unfused-rope", action="store_true",
                     help="rotate q, k in XLA and scatter the KV before attending (decode_rope_in_attention "
                          "off), the path before session 17")
-    ap.add_argument("--backend", default="pallas", help="kernel backend (e.g. pallas-shared-rows)")
-    ap.add_argument("--row-order", default="adapter", choices=["adapter", "round-robin"],
-                    help="rows of one adapter next to each other, as the engine orders a decode batch, or dealt "
-                         "round-robin over the adapters (the order before session 22)")
     ap.add_argument("--top", type=int, default=25, help="kernels listed (by device time) in the table and the JSON")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None, help="append one JSON line here")
@@ -163,7 +159,7 @@ def main() -> None:
     ecfg = EngineConfig(max_batch_size=args.batch, max_prefill_tokens=2048, max_prefill_seqs=16,
                         max_model_len=max(1024, args.ctx + 16), page_size=16, max_lora_rank=64,
                         max_loras=max(args.adapters, 1), pool_bytes=pool_bytes,
-                        dtype="float32" if args.tiny else "bfloat16", backend=args.backend,
+                        dtype="float32" if args.tiny else "bfloat16", backend="pallas",
                         min_decode_bucket=args.bucket or max(args.batch, gpu_tiles["min_decode_bucket"]),
                         lora_block_t=gpu_tiles["lora_block_t"], attn_block_q=gpu_tiles["attn_block_q"],
                         layer_loop=args.layer_loop, decode_rope_in_attention=not args.unfused_rope)
@@ -184,15 +180,10 @@ def main() -> None:
         slots.append(eng.store.acquire(name))
     rng = np.random.default_rng(0)
     items = []
-    def slot_of(i):
-        if args.row_order == "adapter":  # the same number of rows each adapter as round-robin, in runs
-            return slots[i * len(slots) // args.batch]
-        return slots[i % len(slots)]
-
     for i in range(args.batch):
         pages = eng.pool.alloc_kv_pages(pages_for(args.ctx + 1, ecfg.page_size))
         items.append(StepItem([int(rng.integers(3, cfg.vocab_size))], args.ctx, pages,
-                              slot_of(i) if slots else -1, SamplingParams(temperature=0.0), 0, 0))
+                              slots[i % len(slots)] if slots else -1, SamplingParams(temperature=0.0), 0, 0))
     batch, s, token_src = eng.runner.build_decode(items)
     packed, layout = pack_inputs(batch, s, token_src)
     packed = jnp.asarray(packed)  # on the device once: times the step alone
@@ -263,7 +254,6 @@ def main() -> None:
                .device_kind, jax=jax.__version__, commit=git_commit(), batch=args.batch,
                bucket=len(token_src), ctx=args.ctx,
                adapters=args.adapters, rank=args.rank, targets=len(targets), layer_loop=args.layer_loop,
-               backend=args.backend, row_order=args.row_order,
                xla_flags=os.environ.get("XLA_FLAGS", ""), compile_s=round(t_compile, 1), temp_mib=round(temp_mib, 1),
                variant=variant, step_ms=round(full_ms, 3), step_ms_again=round(full_ms2, 3),
                all_lora_kernels_ms=round(all_ms, 3), no_lora_ms=round(base_ms, 3),

@@ -16,7 +16,6 @@ as the model calls them); "all7" sums the four groups, "qkvo" the first two. Dec
 (``pallas_kernels.lora_fused``: one kernel per group) beside the v1 shrink + expand.
 
     PYTHONPATH=. python benchmarks/kernels.py --decode-table --out results.json   # H200: ~4 minutes
-    PYTHONPATH=. python benchmarks/kernels.py --shared-rows --out results.json    # rows sharing adapters
 
 ``--decode-table`` runs only issue 14's decode rows (batch 1/16/64/256, rank 16, all 7 projections, plus rank 16
 under max rank 64 and a rank mix): v1 vs fused (its own plan and a few forced plans), each checked against the jnp
@@ -54,10 +53,6 @@ def parse_args():
     p.add_argument("--pool-gib", type=float, default=8.0, help="pool size (>4 GiB exercises 64-bit addressing)")
     p.add_argument("--decode-table", action="store_true", help="only issue 14's decode rows: v1 vs fused kernels")
     p.add_argument("--table-rows", type=int, default=None, help="with --decode-table: only the first N rows")
-    p.add_argument("--shared-rows", action="store_true",
-                   help="only decode batches whose rows share adapters: a program a row against a program a run of "
-                        "one adapter's rows (FusedTuning.shared_rows), rows ordered by adapter as the engine does")
-    p.add_argument("--shared-cases", default=None, help="with --shared-rows: only these cases (indices, e.g. 0,3)")
     return p.parse_args()
 
 
@@ -599,70 +594,6 @@ def decode_table(pool, rng, copy_gbps, t_start) -> list[dict]:
     return out
 
 
-def _power_law_rows(rng, n_rows, n_adapters=2000, alpha=1.0):
-    """Adapter per row as S-LoRA's workload draws them (popularity ~ (i + 1) ** -alpha), renumbered 0..k-1."""
-    w = (np.arange(n_adapters) + 1.0) ** -alpha
-    drawn = rng.choice(n_adapters, size=n_rows, p=w / w.sum())
-    return np.unique(drawn, return_inverse=True)[1]
-
-
-# (rows, what, row -> adapter index); every case's rows are sorted by adapter, as the engine orders a decode batch
-SHARED_CASES = [
-    (128, "32 adapters x 4 rows (decode_profile's B=128)", lambda rng: np.repeat(np.arange(32), 4)),
-    (256, "S1's popularity, 2000 adapters", lambda rng: _power_law_rows(rng, 256)),
-    (256, "5 adapters (S2 n=5)", lambda rng: np.sort(rng.integers(0, 5, size=256))),
-    (256, "256 distinct (nothing to share)", lambda rng: np.arange(256)),
-]
-if ARGS.tiny:  # the tiny pool holds 4 adapters of rank 16
-    SHARED_CASES = [(8, "2 adapters x 4 rows", lambda rng: np.repeat(np.arange(2), 4)),
-                    (6, "S1's popularity", lambda rng: _power_law_rows(rng, 6, n_adapters=4)),
-                    (4, "4 distinct", lambda rng: np.arange(4))]
-SHARED_VARIANTS = {"auto": None, "fused": FusedTuning(mode="fused"),
-                   **{f"s{n}": FusedTuning(mode="fused", shared_rows=n) for n in (4, 8, 16)}}
-SHARED_RANK = 16
-
-
-def shared_rows_table(pool, rng, copy_gbps) -> list[dict]:
-    """One whole layer (all 7 projections, rank 16) per variant and case, each checked against the reference."""
-    out = []
-    picked = [int(i) for i in ARGS.shared_cases.split(",")] if ARGS.shared_cases else range(len(SHARED_CASES))
-    for n, what, adapters_of in (SHARED_CASES[i] for i in picked):
-        row_adapter = np.sort(adapters_of(rng)).astype(np.int32)
-        n_ad = int(row_adapter.max()) + 1
-        table = make_table(rng, [SHARED_RANK] * n_ad, pool.shape[1])
-        row_slot = jnp.asarray(row_adapter)
-        jobs, xs, bases = {}, [], []
-        for g, modules in GROUPS.items():
-            d_in, d_outs = group_dims(modules)
-            xs.append(jnp.asarray(rng.normal(size=(n, d_in)), BF16))
-            bases.append(jnp.asarray(rng.normal(size=(n, sum(d_outs))), BF16))
-            kw, args = {"modules": modules, "max_rank": SHARED_RANK}, (xs[-1], bases[-1], pool, row_slot, table)
-            jobs[g, "reference"] = (functools.partial(reference_group, **kw), args)
-            for v, tuning in SHARED_VARIANTS.items():
-                jobs[g, v] = (functools.partial(fused_group, tuning=tuning, **kw), args)
-        layer_args = (tuple(xs), tuple(bases), pool, row_slot, table)
-        for v, tuning in SHARED_VARIANTS.items():
-            jobs["layer", v] = (layer_of(fused_group, max_rank=SHARED_RANK, tuning=tuning), layer_args)
-        compiled = compile_all(jobs)
-        errs = dict.fromkeys(SHARED_VARIANTS, 0.0)
-        for g in GROUPS:  # correctness first: base = 0, against the reference
-            x, base, *rest = jobs[g, "reference"][1]
-            zeros = jnp.zeros_like(base)
-            want = compiled[g, "reference"](1, x, zeros, *rest)[1]
-            for v in SHARED_VARIANTS:
-                errs[v] = max(errs[v], rel_err(compiled[g, v](1, x, zeros, *rest)[1], want))
-        us = {v: time_compiled(compiled["layer", v], jobs["layer", v][1]) * 1e6 / LAYER_REPEAT for v in SHARED_VARIANTS}
-        floor_us = adapter_bytes([SHARED_RANK] * n_ad, range(7)) / copy_gbps / 1e3
-        runs = np.unique(row_adapter, return_counts=True)[1]
-        out.append({"rows": n, "case": what, "adapters": n_ad, "longest_run": int(runs.max()), "rank": SHARED_RANK,
-                    "us": us, "rel_err": errs, "floor_us": floor_us,
-                    "plans": {g: plan_of(n, m, SHARED_RANK)._asdict() for g, m in GROUPS.items()}})
-        print(f"{n:4d} rows, {n_ad:3d} adapters (longest run {runs.max():3d}), {what}: "
-              + "  ".join(f"{v} {us[v]:.1f}" for v in SHARED_VARIANTS)
-              + f" us a layer; floor {floor_us:.1f}; worst rel err {max(errs.values()):.1e}", flush=True)
-    return out
-
-
 def print_table(rows):
     head = (f"{'kind':7s} {'mods':4s} {'rows':>5s} {'adap':>4s} {'rank':>4s} {'us':>8s} {'GB/s':>7s} {'%copy':>5s} "
             f"{'xRef':>6s} {'xPad':>6s} {'relerr':>8s} {'base_us':>8s} {'ovh%':>6s}  (decode: fused us, x v1)")
@@ -691,8 +622,6 @@ def main():
     rows = []
     if ARGS.decode_table:
         return write_result(device, copy, pool, t_start, decode_table=decode_table(pool, rng, copy_gbps, t_start))
-    if ARGS.shared_rows:
-        return write_result(device, copy, pool, t_start, shared_rows=shared_rows_table(pool, rng, copy_gbps))
 
     for n in DECODE_BATCHES:
         for rank_name, rank_set in RANK_CONFIGS.items():

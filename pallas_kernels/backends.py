@@ -190,15 +190,6 @@ PALLAS_AUTO_PREFILL = dataclasses.replace(PALLAS_TRITON, name="pallas-auto-prefi
                                           prefill_attention=_auto_prefill_attention)
 PREFILL_VARIANTS = dict(zip(PREFILL_IMPLS, (PALLAS_TRITON, PALLAS_MOSAIC_PREFILL, PALLAS_AUTO_PREFILL), strict=True))
 
-# Decode LoRA whose programs each serve a run of up to 4 (or 8) consecutive rows of one adapter (the engine orders a
-# decode batch by adapter slot), loading that adapter's tiles once for the run instead of once a row. Applies where
-# the plan is fused (above lora_plan.SPLIT_ROWS rows). Selectable until measured against one program a row on a GPU.
-PALLAS_SHARED_ROWS = {
-    shared: dataclasses.replace(
-        PREFILL_VARIANTS[ATTENTION_PREFILL_IMPL], name="pallas-shared-rows" + ("" if shared == 4 else f"-{shared}"),
-        bgmv_lora=functools.partial(lora_fused.bgmv_lora, tuning=lora_fused.FusedTuning(shared_rows=shared)))
-    for shared in (4, 8)}
-
 _REGISTRY: dict[str, KernelBackend] = {}
 
 
@@ -240,5 +231,3 @@ register_backend(REFERENCE)
 for _impl, _backend in PREFILL_VARIANTS.items():  # "pallas": today's Pallas kernels, whichever lowering serves best
     register_backend(_backend, *(("pallas",) if _impl == ATTENTION_PREFILL_IMPL else ()))
 register_backend(PALLAS_TRITON_UNFUSED, "pallas-unfused")
-for _backend in PALLAS_SHARED_ROWS.values():
-    register_backend(_backend)

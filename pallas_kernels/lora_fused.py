@@ -3,7 +3,7 @@ registers), so a layer launches one LoRA kernel per group instead of three (shri
 
 Why: at decode batch sizes the unfused kernels spend their time on launches and on the chain of dependent loads at
 the head of every kernel (row slot -> adapter table -> page table -> pool vectors), not on bytes. Two plans, chosen
-per group from the static shapes by a small cost model (``lora_plan.fused_plan``; ``FusedTuning`` overrides it):
+per group from the static shapes by a small cost model (:func:`fused_plan`; ``FusedTuning`` overrides it):
 
 * ``fused``: grid (output block, row). A program computes its row's ``u = scale * x @ A`` over all of d_in, then
   ``base + u @ B`` for its block of output vectors of one module. Programs of one (row, module) each read that
@@ -11,11 +11,6 @@ per group from the static shapes by a small cost model (``lora_plan.fused_plan``
   read twice); at small batch modules are cut into blocks so that more of the GPU works.
 * ``split`` (small batch and a long A, e.g. down_proj at batch 1): d_in split over programs that write fp32 partials
   [S, T, M, R], and an expand kernel that sums them itself (two kernels, nothing between them).
-
-``shared_rows`` S > 1 (fused mode; ``FusedTuning``): consecutive rows of one adapter share a program, up to S of
-them, so the adapter's A and B tiles are loaded once for all of them instead of once per row. The engine orders a
-decode batch's rows by adapter slot, so every run of rows of one adapter is consecutive; a program whose row starts
-no run exits, one with a run of a single row takes the one-row body (no masked work).
 
 Ranks mix freely: a row runs the branch of its rank class (the smallest of ``classes``, powers of two, that holds
 its rank), whose tiles are [class, chunks, V], so a rank-8 row in a max-rank-64 batch moves full tiles of its own
@@ -27,6 +22,8 @@ aliased to the output and stays as it is). The shrink reduces each tile over its
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from typing import NamedTuple
 
 import jax
@@ -37,14 +34,118 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.lora_bgmv import bgmv_expand, bgmv_expand_reference, bgmv_shrink, bgmv_shrink_reference
 from pallas_kernels.lora_common import AdapterTable, block_module, layer_args, pick
-from pallas_kernels.lora_plan import SPLIT_ROWS, SPLIT_TILE, FusedPlan, FusedTuning, fused_plan
 from pallas_kernels.lowering import any_spec, load, next_pow2, pallas_call, resolve_interpret, store
 
-__all__ = ["SPLIT_ROWS", "SPLIT_TILE", "FusedPlan", "FusedTuning", "bgmv_lora", "bgmv_lora_reference",
-           "bgmv_lora_unfused", "fused_plan", "run_lengths"]
+GPU_TILE_ELEMS = 16384  # adapter elements a program moves per loop step (32 KB of bf16) ...
+GPU_WARPS = 8
+SMALL_TILE_ELEMS = 32768  # ... or, when the grid has fewer programs than SMs, twice that over twice the warps
+SMALL_WARPS = 16
+N_CLASSES = 4  # rank classes: next_pow2(max_rank) and the powers of two below it
+PLAN_RANK = 16  # the rank the plan assumes for a row (true ranks are known only on the device)
+# Up to this many rows the plan is the split one with 8k-element tiles (its splits and blocks still from the cost
+# model). Measured as whole layers (all 7 projections, rank 16, H200, session 15, kernels.py --decode-table), the
+# cost model's own picks lost there: 42.6 / 52.6 / 100.8 us a layer at 1 / 16 / 64 rows against 27.2 / 43.8 / 97.3.
+# At 256 rows its pick (fused) was within 3% of the best; above 64 it decides.
+SPLIT_ROWS = 64
+SPLIT_TILE = (8192, 8)  # (tile_elems, num_warps)
+
+# Cost model of the plan (H200; microseconds and bytes per microsecond). KERNEL_US: launch gap plus the dependent
+# loads at a kernel's head; a program streams at most its tile per LATENCY_US, and at most SM_BPUS.
+NUM_SMS = 132
+KERNEL_US = 4.0
+LATENCY_US = 0.8
+SM_BPUS = 100e3
+L2_BPUS = 6.0e6
+HBM_BPUS = 4.2e6
 
 _F32 = jnp.float32
 _I0 = np.int32(0)  # typed: jnp.where on two Python ints mis-lowers to i1 in Pallas Triton
+
+
+class FusedTuning(NamedTuple):
+    """Static overrides of :func:`fused_plan` (``None`` = the plan's choice; hashable, pass as a static arg).
+
+    mode: "fused" | "split"; vecs: output vectors (of V columns) per program; splits: d_in splits (split mode);
+    tile_elems: adapter elements per program step; num_warps; classes: how many rank classes.
+    """
+
+    mode: str | None = None
+    vecs: int | None = None
+    splits: int | None = None
+    tile_elems: int | None = None
+    num_warps: int | None = None
+    classes: int | None = None
+
+
+class FusedPlan(NamedTuple):
+    mode: str
+    vecs: int
+    splits: int
+    tile_elems: int
+    num_warps: int
+    classes: tuple[int, ...]
+    est_us: float  # the cost model's estimate (0 in interpret mode)
+
+
+def _kernel_us(programs, per_prog, l2_bytes, hbm_bytes, tile_bytes, resident) -> float:
+    """Estimated time of one kernel: launch + max(slowest program, L2 traffic, HBM traffic)."""
+    prog_bpus = min(tile_bytes / LATENCY_US, SM_BPUS)
+    waves = math.ceil(programs / (resident * NUM_SMS))
+    return KERNEL_US + max(per_prog / prog_bpus * waves + LATENCY_US, l2_bytes / L2_BPUS, hbm_bytes / HBM_BPUS)
+
+
+def _estimate(mode, vecs, splits, tile, n_rows, n_chunks, out_vecs, vdim, rank, itemsize) -> float:
+    tile_elems, warps = tile
+    a = rank * n_chunks * vdim * itemsize  # A of one (row, module)
+    bs = [rank * n * vdim * itemsize for n in out_vecs]
+    blocks = [-(-n // vecs) for n in out_vecs]
+    b_blk = rank * min(vecs, max(out_vecs)) * vdim * itemsize
+    resident = max(1, 16 // warps)  # programs per SM the registers allow, roughly
+    tile_bytes, hbm = tile_elems * itemsize, n_rows * (a * len(out_vecs) + sum(bs))
+    if mode == "fused":
+        return _kernel_us(n_rows * sum(blocks), a + b_blk, n_rows * (a * sum(blocks) + sum(bs)), hbm, tile_bytes,
+                          resident)
+    shrink = _kernel_us(n_rows * len(out_vecs) * splits, a / splits, n_rows * a * len(out_vecs),
+                        n_rows * a * len(out_vecs), tile_bytes, resident)
+    return shrink + _kernel_us(n_rows * sum(blocks), b_blk, n_rows * sum(bs), n_rows * sum(bs), tile_bytes, resident)
+
+
+def fused_plan(n_rows: int, n_chunks: int, out_vecs: tuple[int, ...], vdim: int, max_rank: int, itemsize: int,
+               interpret: bool, tuning: FusedTuning | None = None) -> FusedPlan:
+    """Static launch plan of one group: the cheapest (mode, vecs, splits, tile) under the cost model, with every
+    field ``tuning`` sets taken as given. Interpret mode (CPU tests) defaults to one fused program per module."""
+    tuning = tuning or FusedTuning()
+    top = next_pow2(max_rank)
+    n_cls = tuning.classes or N_CLASSES
+    classes = tuple(sorted({max(1, top >> i) for i in range(n_cls)}))
+    if interpret:
+        cands = [(tuning.mode or "fused", tuning.vecs or next_pow2(max(out_vecs)), tuning.splits or 1,
+                  (tuning.tile_elems or GPU_TILE_ELEMS, tuning.num_warps or GPU_WARPS), 0.0)]
+    else:
+        vec_opts = [tuning.vecs] if tuning.vecs else [1 << i for i in range(next_pow2(max(out_vecs)).bit_length())]
+        split_opts = [tuning.splits] if tuning.splits else [1 << i for i in range(next_pow2(n_chunks).bit_length())]
+        tiles = [(GPU_TILE_ELEMS, GPU_WARPS), (SMALL_TILE_ELEMS, SMALL_WARPS)]
+        if tuning.tile_elems or tuning.num_warps:
+            tiles = [(tuning.tile_elems or GPU_TILE_ELEMS, tuning.num_warps or GPU_WARPS)]
+        modes = [tuning.mode] if tuning.mode else ["fused", "split"]
+        if n_rows <= SPLIT_ROWS and not (tuning.mode or tuning.tile_elems or tuning.num_warps):
+            modes, tiles = ["split"], [SPLIT_TILE]
+        rank = min(top, PLAN_RANK)
+        cands = []
+        for mode, vecs, tile in itertools.product(modes, vec_opts, tiles):
+            for splits in (split_opts if mode == "split" else [1]):
+                est = _estimate(mode, vecs, splits, tile, n_rows, n_chunks, out_vecs, vdim, rank, itemsize)
+                cands.append((mode, vecs, splits, tile, est))
+        # cheapest; ties (within 2%) go to fused, then to fewer, larger programs
+        best = min(c[4] for c in cands)
+        cands = [c for c in cands if c[4] <= best * 1.02]
+        cands.sort(key=lambda c: (c[0] != "fused", -c[1], c[2], c[3][0], c[4]))
+    mode, vecs, splits, (tile_elems, warps), est = cands[0]
+    if mode not in ("fused", "split"):
+        raise ValueError(f"unknown fused LoRA mode {mode!r}")
+    vecs = min(vecs, next_pow2(max(out_vecs)))
+    splits = min(splits, n_chunks)
+    return FusedPlan(mode, vecs, splits, tile_elems, warps, classes, est)
 
 
 class _Geom(NamedTuple):
@@ -62,7 +163,6 @@ class _Geom(NamedTuple):
     splits: int
     page_rows: int
     vdim: int
-    shared_rows: int = 1
 
 
 class _Row(NamedTuple):
@@ -105,40 +205,28 @@ def _pow2_tile(tile_elems: int, r_b: int, vdim: int, span: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def _live(mask, live):
-    """``mask`` for a row that may be padding (``live`` traced), or as it is for the program's own row (True)."""
-    return mask if live is True else mask & live
-
-
-def _shrink(x_ref, pool_ref, pages_ref, row: _Row, a_off, r_b, lo, hi, span, g: _Geom, rows=None) -> list[jax.Array]:
-    """``sum over chunks [lo, hi) of A^T[k] . x[t]`` for k < r_b (unscaled; zero for k >= rank): float32 [r_b] for
-    each (t, live) of ``rows`` (default: the program's own row). Each A tile is loaded once for all of them."""
-    rows = rows or [(row.t, True)]
-    c = _pow2_tile(g.tile_elems, max(r_b, len(rows)), g.vdim, span)
+def _shrink(x_ref, pool_ref, pages_ref, row: _Row, a_off, r_b, lo, hi, span, g: _Geom):
+    """``sum over chunks [lo, hi) of A^T[k] . x[t]`` for k < r_b (unscaled; zero for k >= rank): float32 [r_b]."""
+    c = _pow2_tile(g.tile_elems, r_b, g.vdim, span)
     k = jnp.arange(r_b, dtype=jnp.int32)
     kmask = k < row.rank
     row0 = a_off + k * g.n_chunks  # virtual vector of A^T row k, chunk 0
     lane = jnp.arange(g.vdim, dtype=jnp.int32)
 
-    def step(j, accs):
+    def step(j, acc):
         cc = lo + j * c + jnp.arange(c, dtype=jnp.int32)
         cmask = cc < hi
         a = _gather(pool_ref, pages_ref, row, row0[:, None] + cc[None, :], kmask[:, None] & cmask[None, :], g)
-        a = a.astype(_F32)
-        out = []
-        for acc, (t, live) in zip(accs, rows, strict=True):
-            xc = load(x_ref.at[t, cc[:, None], lane[None, :]], mask=_live(cmask, live)[:, None], other=0)
-            out.append(acc + jnp.sum(a * xc.astype(_F32)[None, :, :], axis=2))
-        return tuple(out)
+        xc = load(x_ref.at[row.t, cc[:, None], lane[None, :]], mask=cmask[:, None], other=0)
+        return acc + jnp.sum(a.astype(_F32) * xc.astype(_F32)[None, :, :], axis=2)
 
-    accs = lax.fori_loop(0, -(-span // c), step, (jnp.zeros((r_b, c), _F32),) * len(rows))
-    return [jnp.sum(acc, axis=1) for acc in accs]
+    acc = lax.fori_loop(0, -(-span // c), step, jnp.zeros((r_b, c), _F32))
+    return jnp.sum(acc, axis=1)
 
 
-def _expand_tiles(pool_ref, pages_ref, base_ref, row: _Row, b_off, n_out, col0, first, r_b, g: _Geom, rows):
-    """(vectors per tile, tile(e) -> loads of step e, apply(loads, us, out_ref) -> stores) for the program's block,
-    each B tile loaded once for every row of ``rows``."""
-    n_c = _pow2_tile(g.tile_elems, max(r_b, len(rows)), g.vdim, g.vecs)
+def _expand_tiles(pool_ref, pages_ref, base_ref, row: _Row, b_off, n_out, col0, first, r_b, g: _Geom):
+    """(vectors per tile, tile(e) -> loads of step e, apply(loads, u, out_ref) -> stores) for the program's block."""
+    n_c = _pow2_tile(g.tile_elems, r_b, g.vdim, g.vecs)
     k = jnp.arange(r_b, dtype=jnp.int32)
     kmask = k < row.rank
     row0 = b_off + k * n_out  # virtual vector of B row k, output vector 0
@@ -150,33 +238,29 @@ def _expand_tiles(pool_ref, pages_ref, base_ref, row: _Row, b_off, n_out, col0, 
         cmask = cv < limit
         b = _gather(pool_ref, pages_ref, row, row0[:, None] + cv[None, :], kmask[:, None] & cmask[None, :], g)
         cols = (col0 + cv)[:, None] * g.vdim + lane[None, :]  # base and out are [T, D]: vector c is columns c*V + lane
-        olds = [load(base_ref.at[t, cols], mask=_live(cmask, live)[:, None], other=0) for t, live in rows]
-        return b, olds, cols, cmask
+        old = load(base_ref.at[row.t, cols], mask=cmask[:, None], other=0)
+        return b, old, cols, cmask
 
-    def apply(loads, us, out_ref):
-        b, olds, cols, cmask = loads
-        b = b.astype(_F32)
-        for old, u, (t, live) in zip(olds, us, rows, strict=True):
-            new = old.astype(_F32) + jnp.sum(b * u[:, None, None], axis=0)
-            store(out_ref.at[t, cols], new.astype(out_ref.dtype), mask=_live(cmask, live)[:, None])
+    def apply(loads, u, out_ref):
+        b, old, cols, cmask = loads
+        new = old.astype(_F32) + jnp.sum(b.astype(_F32) * u[:, None, None], axis=0)
+        store(out_ref.at[row.t, cols], new.astype(out_ref.dtype), mask=cmask[:, None])
 
     return n_c, tile, apply
 
 
-def _expand(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, g, u_fn, rows=None):
-    """``out = base + u @ B`` over the program's block for each row of ``rows`` (default: its own); ``u_fn()`` gives
-    the scaled [r_b] intermediates, one a row. A block of one tile has its B and base loads issued before ``u_fn``
-    runs, so they arrive while the shrink streams A."""
-    rows = rows or [(row.t, True)]
-    n_c, tile, apply = _expand_tiles(pool_ref, pages_ref, base_ref, row, b_off, n_out, col0, first, r_b, g, rows)
+def _expand(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, g, u_fn):
+    """``out = base + u @ B`` over the program's block; ``u_fn()`` gives the scaled [r_b] intermediate. A block of
+    one tile has its B and base loads issued before ``u_fn`` runs, so they arrive while the shrink streams A."""
+    n_c, tile, apply = _expand_tiles(pool_ref, pages_ref, base_ref, row, b_off, n_out, col0, first, r_b, g)
     if min(g.vecs, max(g.out_vecs)) <= n_c:
         loads = tile(0)
         apply(loads, u_fn(), out_ref)
         return
-    us = u_fn()
+    u = u_fn()
 
     def step(e, carry):
-        apply(tile(e), us, out_ref)
+        apply(tile(e), u, out_ref)
         return carry
 
     lax.fori_loop(0, lax.div(jnp.minimum(first + g.vecs, n_out) - first + (n_c - 1), n_c), step, _I0)
@@ -190,54 +274,19 @@ def _block(j, g: _Geom):
 
 def _fused_kernel(layer_ref, lbase_ref, slot_ref, rank_ref, aoff_ref, boff_ref, scale_ref, pages_ref, x_ref, pool_ref,
                   base_ref, out_ref, *, g: _Geom):
-    _fused_body(pl.program_id(0), pl.program_id(1), None, layer_ref, lbase_ref, slot_ref, rank_ref, aoff_ref,
-                boff_ref, scale_ref, pages_ref, x_ref, pool_ref, base_ref, out_ref, g)
-
-
-def _shared_kernel(layer_ref, lbase_ref, run_ref, slot_ref, rank_ref, aoff_ref, boff_ref, scale_ref, pages_ref, x_ref,
-                   pool_ref, base_ref, out_ref, *, g: _Geom):
-    """The fused kernel over runs of rows of one adapter: program (block, t) serves rows t .. t + run[t] - 1."""
-    t = pl.program_id(1)
-    _fused_body(pl.program_id(0), t, run_ref[t], layer_ref, lbase_ref, slot_ref, rank_ref, aoff_ref, boff_ref,
-                scale_ref, pages_ref, x_ref, pool_ref, base_ref, out_ref, g)
-
-
-def _fused_body(j, t, n, layer_ref, lbase_ref, slot_ref, rank_ref, aoff_ref, boff_ref, scale_ref, pages_ref, x_ref,
-                pool_ref, base_ref, out_ref, g: _Geom):
-    """Block j of row t's module (``n`` None), or of the run of ``n`` rows from t (one-row body when n == 1, nothing
-    when n == 0: row t is inside another program's run)."""
+    j, t = pl.program_id(0), pl.program_id(1)
     i, m, n_out, col0, first = _block(j, g)
     row = _row(layer_ref, lbase_ref, slot_ref, rank_ref, t, m)
     a_off, b_off = aoff_ref[row.s, row.layer, m], boff_ref[row.s, row.layer, m]
     scale = scale_ref[row.s, row.layer, m]
 
-    def body(rows, r_b):
+    def body(r_b):
         def u_fn():
-            us = _shrink(x_ref, pool_ref, pages_ref, row, a_off, r_b, 0, g.n_chunks, g.n_chunks, g, rows)
-            return [u * scale for u in us]
+            return _shrink(x_ref, pool_ref, pages_ref, row, a_off, r_b, 0, g.n_chunks, g.n_chunks, g) * scale
 
-        _expand(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, g, u_fn, rows)
+        _expand(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, g, u_fn)
 
-    if n is None:
-        _by_class(row, g.classes, functools.partial(body, None))
-        return
-    # the run's rows: n of them live, the rest clamped to the last row and masked
-    rows = [(jnp.minimum(t + q, x_ref.shape[0] - 1), q < n) for q in range(g.shared_rows)]
-    pl.when(n == 1)(lambda: _by_class(row, g.classes, functools.partial(body, None)))
-    pl.when(n > 1)(lambda: _by_class(row, g.classes, functools.partial(body, rows)))
-
-
-def run_lengths(row_slot: jax.Array, shared_rows: int) -> jax.Array:
-    """int32[T]: how many rows the program of row t serves. Runs of equal consecutive slots are cut into pieces of
-    at most ``shared_rows``; a piece's first row gets its length, every other row 0 (its program exits)."""
-    n = row_slot.shape[0]
-    t = jnp.arange(n, dtype=jnp.int32)
-    starts = jnp.concatenate([jnp.ones((1,), bool), row_slot[1:] != row_slot[:-1]])
-    run_start = lax.cummax(jnp.where(starts, t, 0))
-    run_id = jnp.cumsum(starts.astype(jnp.int32)) - 1
-    run_len = jnp.zeros((n,), jnp.int32).at[run_id].add(1)[run_id]
-    offset = t - run_start
-    return jnp.where(offset % shared_rows == 0, jnp.minimum(shared_rows, run_start + run_len - t), 0).astype(jnp.int32)
+    _by_class(row, g.classes, body)
 
 
 def _split_shrink_kernel(layer_ref, lbase_ref, slot_ref, rank_ref, aoff_ref, pages_ref, x_ref, pool_ref, y_ref, *,
@@ -250,7 +299,7 @@ def _split_shrink_kernel(layer_ref, lbase_ref, slot_ref, rank_ref, aoff_ref, pag
     hi = jnp.minimum(lo + g.chunks_per_split, g.n_chunks)
 
     def body(r_b):
-        u = _shrink(x_ref, pool_ref, pages_ref, row, a_off, r_b, lo, hi, g.chunks_per_split, g)[0]
+        u = _shrink(x_ref, pool_ref, pages_ref, row, a_off, r_b, lo, hi, g.chunks_per_split, g)
         store(y_ref.at[sp, t, i, jnp.arange(r_b, dtype=jnp.int32)], u)
 
     _by_class(row, g.classes, body)
@@ -268,7 +317,7 @@ def _split_expand_kernel(layer_ref, lbase_ref, slot_ref, rank_ref, boff_ref, sca
         def u_fn():  # the shrink's partials, one per d_in split (entries of other rows' classes are never read)
             k = jnp.arange(r_b, dtype=jnp.int32)
             parts = load(y_ref.at[sv[:, None], t, i, k[None, :]], mask=(sv < g.splits)[:, None], other=0.0)
-            return [jnp.sum(parts, axis=0) * scale]
+            return jnp.sum(parts, axis=0) * scale
 
         _expand(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, g, u_fn)
 
@@ -298,18 +347,13 @@ def bgmv_lora(x: jax.Array, base: jax.Array, pool: jax.Array, layer, row_slot: j
     blk_starts = tuple(sum(-(-n // p.vecs) for n in out_vecs[:i]) for i in range(n_mod))
     n_blocks = sum(-(-n // p.vecs) for n in out_vecs)
     g = _Geom(tuple(modules), out_vecs, tuple(sum(out_vecs[:i]) for i in range(n_mod)), blk_starts, p.vecs,
-              p.classes, p.tile_elems, n_chunks, -(-n_chunks // p.splits), p.splits, page_rows, vdim, p.shared_rows)
+              p.classes, p.tile_elems, n_chunks, -(-n_chunks // p.splits), p.splits, page_rows, vdim)
     lay = layer_args(layer, pool.shape)
     slot = row_slot.astype(jnp.int32)
     xv, poolv = x.reshape(n_rows, n_chunks, vdim), pool.reshape(-1, vdim)
     call = functools.partial(pallas_call, out_specs=any_spec(), interpret=interpret, num_warps=p.num_warps)
     # base stays [T, D] in and out: a reshaped output stood as a convert kernel before the next RMSNorm (64 a step)
     out_shape = jax.ShapeDtypeStruct(base.shape, base.dtype)
-    if p.mode == "fused" and p.shared_rows > 1:
-        return call(functools.partial(_shared_kernel, g=g), out_shape=out_shape, grid=(n_blocks, n_rows),
-                    in_specs=[any_spec()] * 12, input_output_aliases={11: 0}, name="lora_bgmv_shared")(
-            *lay, run_lengths(slot, p.shared_rows), slot, table.rank, table.a_off, table.b_off, table.scale,
-            table.pages, xv, poolv, base)
     if p.mode == "fused":
         out = call(functools.partial(_fused_kernel, g=g), out_shape=out_shape, grid=(n_blocks, n_rows),
                    in_specs=[any_spec()] * 11, input_output_aliases={10: 0}, name="lora_bgmv_fused")(

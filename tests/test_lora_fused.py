@@ -25,15 +25,7 @@ from test_lora_kernels import (
 )
 
 from pallas_kernels.lora_common import AdapterTable
-from pallas_kernels.lora_fused import (
-    SPLIT_ROWS,
-    SPLIT_TILE,
-    FusedTuning,
-    bgmv_lora,
-    bgmv_lora_reference,
-    fused_plan,
-    run_lengths,
-)
+from pallas_kernels.lora_fused import SPLIT_ROWS, SPLIT_TILE, FusedTuning, bgmv_lora, bgmv_lora_reference, fused_plan
 from pallas_kernels.lowering import next_pow2
 
 
@@ -46,10 +38,9 @@ def untouched(world, row_slot, layer, modules, d_outs) -> np.ndarray:
     return np.concatenate(cols, axis=1)
 
 
-def check_fused(world, modules, layer, n_rows, tuning, rng, dtype=jnp.float32, tol=1e-5, max_rank=64, row_slot=None):
+def check_fused(world, modules, layer, n_rows, tuning, rng, dtype=jnp.float32, tol=1e-5, max_rank=64):
     d_in, d_outs = group_dims(world, modules)
-    if row_slot is None:
-        row_slot = random_rows(rng, world, n_rows, no_adapter=min(2, n_rows - 1))
+    row_slot = random_rows(rng, world, n_rows, no_adapter=min(2, n_rows - 1))
     x = rng.normal(size=(n_rows, d_in)).astype(np.float32)
     base = rng.normal(size=(n_rows, sum(d_outs))).astype(np.float32)
     pool, table = world.device(dtype)
@@ -80,39 +71,6 @@ FUSED_CASES = [
 @pytest.mark.parametrize("seed,modules,layer,n_rows,tuning", FUSED_CASES)
 def test_bgmv_lora(seed, modules, layer, n_rows, tuning):
     check_fused(make_world(seed), modules, layer, n_rows, tuning, np.random.default_rng(seed + 200))
-
-
-def runs_of_rows(rng, world, lengths) -> np.ndarray:
-    """Row slots in runs of one adapter (as the engine orders a decode batch), of the given lengths, in a random order
-    of adapters; one run has no adapter."""
-    slots = list(rng.choice(world.slots, size=len(lengths), replace=len(lengths) > len(world.slots)))
-    slots[rng.integers(len(slots))] = -1
-    return np.concatenate([np.full(n, s, np.int32) for s, n in zip(slots, lengths, strict=True)])
-
-
-@pytest.mark.parametrize("seed,modules,lengths,shared,tuning", [
-    (11, QKV, (7, 1, 2, 4, 3), 4, FusedTuning()),  # a run of 7 cut 4 + 3; runs of 1 take the one-row body
-    (12, GATE_UP, (2, 5, 1), 2, FusedTuning(vecs=2, tile_elems=256)),  # many shrink and expand steps a program
-    (13, DOWN, (3, 3), 8, FusedTuning(classes=1)),  # runs shorter than a program's rows; one rank class
-    (14, O_PROJ, (1, 1, 1, 1), 4, FusedTuning()),  # no run longer than a row: every program takes the one-row body
-])
-def test_bgmv_lora_shared_rows(seed, modules, lengths, shared, tuning):
-    """Programs that serve a run of rows of one adapter give what one program a row gives; shuffled rows too."""
-    rng = np.random.default_rng(seed + 300)
-    world = make_world(seed)
-    row_slot = runs_of_rows(rng, world, lengths)
-    tuning = tuning._replace(shared_rows=shared)
-    check_fused(world, modules, seed % 2, len(row_slot), tuning, rng, row_slot=row_slot)
-    check_fused(world, modules, seed % 2, len(row_slot), tuning, rng, row_slot=rng.permutation(row_slot))
-
-
-def test_run_lengths():
-    slots = jnp.asarray([5, 5, 5, 5, 5, -1, 2, 2, 5, 3, 3, 3], jnp.int32)
-    np.testing.assert_array_equal(run_lengths(slots, 4), [4, 0, 0, 0, 1, 1, 2, 0, 1, 3, 0, 0])
-    np.testing.assert_array_equal(run_lengths(slots, 2), [2, 0, 2, 0, 1, 1, 2, 0, 1, 2, 0, 1])
-    np.testing.assert_array_equal(run_lengths(slots, 1), np.ones(12))
-    with pytest.raises(ValueError, match="power of two"):
-        fused_plan(8, 4, (4,), 8, 16, 4, interpret=True, tuning=FusedTuning(shared_rows=3))
 
 
 def test_bgmv_lora_bf16():
@@ -171,7 +129,7 @@ def test_plan_shapes(n_rows, max_rank):
     assert (p.mode, p.vecs, p.splits, p.tile_elems, p.num_warps, len(p.classes)) == ("split", 4, 8, 4096, 4, 2)
 
 
-@pytest.mark.parametrize("mode", ["fused", "split", "shared"])
+@pytest.mark.parametrize("mode", ["fused", "split"])
 def test_lowers_through_triton(mode):
     """Every primitive of both plans has a Triton lowering rule (the GPU compile itself needs the GPU suite)."""
 
@@ -185,15 +143,12 @@ def test_lowers_through_triton(mode):
 
     def fn(x, base, pool, layer, row_slot, table):
         return bgmv_lora(x, base, pool, layer, row_slot, table, QKV, 64, d_outs, interpret=False,
-                         tuning=FusedTuning(mode="fused", shared_rows=4 if mode == "shared" else None)
-                         if mode != "split" else FusedTuning(mode=mode))
+                         tuning=FusedTuning(mode=mode))
 
     args = (sds((n_rows, d_in), jnp.bfloat16), sds((n_rows, sum(d_outs)), jnp.bfloat16),
             sds((n_layers, 16, 64, 128), jnp.bfloat16), sds((), jnp.int32), sds((n_rows,), jnp.int32), table)
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    text = lowered.as_text()
-    assert text.count("xla.gpu.triton") == (2 if mode == "split" else 1)
-    assert ("lora_bgmv_shared" in text) == (mode == "shared")
+    assert lowered.as_text().count("xla.gpu.triton") == (1 if mode == "fused" else 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -213,9 +168,3 @@ def test_gpu_bgmv_lora(modules, dtype, tol):
     for n_rows in (1, 37, 256):
         for tuning in (None, FusedTuning(mode="fused", vecs=2), FusedTuning(mode="split", splits=4)):
             check_fused(world, modules, 1, n_rows, tuning, rng, dtype, tol)
-    # programs serving runs of one adapter's rows: runs of 1-9 rows cut into pieces of 4 (and 8), 200 rows in all
-    lengths = rng.integers(1, 10, size=40)
-    row_slot = runs_of_rows(rng, world, lengths[np.cumsum(lengths) <= 200])
-    for shared in (4, 8):
-        check_fused(world, modules, 1, len(row_slot), FusedTuning(mode="fused", shared_rows=shared), rng, dtype, tol,
-                    row_slot=row_slot)

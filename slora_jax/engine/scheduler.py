@@ -200,9 +200,7 @@ class Scheduler:
         return Plan("decode", seqs, preempted) if seqs else None
 
     def _decodable(self) -> list[Sequence]:
-        """Running sequences that can take a token, rows of one adapter next to each other (stable: admission order
-        within an adapter), so the decode LoRA kernel can serve a run of them from one load of the adapter."""
-        return sorted((s for s in self.running if self._can_grow(s)), key=lambda s: s.adapter_slot)
+        return [s for s in self.running if self._can_grow(s)]
 
     def _can_grow(self, seq: Sequence) -> bool:
         """May still get a token (one whose last token is still on the device may already be done)."""
