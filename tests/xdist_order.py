@@ -1,5 +1,6 @@
-"""The GPU suite's work queue (`.ci/gpu-suite`: pytest-xdist ``--dist loadgroup``): which tests run together on one
-worker, and in what order the groups are handed out. A plain run (CI, no xdist) is left as collected.
+"""The suite's work queue under pytest-xdist ``--dist loadgroup`` (`.ci/gpu-suite`'s 14 workers, CI's 2): which
+tests run together on one worker, and in what order the groups are handed out. A run without xdist is left as
+collected.
 
 Groups: a test file is one group, so its module fixtures (warmed engines, servers) are built once (files whose
 engines compile the same steps share one: ``SHARED_STEPS``); a test that uses no fixture wider than a function
