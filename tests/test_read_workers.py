@@ -168,16 +168,18 @@ def test_a_read_that_hangs_is_stopped_and_fails_as_the_adapters_error(tmp_path, 
     """The read fails after the timeout as the adapter's error; the worker is killed and the next read gets a fresh
     one. (The worker imports this module to unpickle the source: tests/ goes on its path.)"""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    w = ReadWorkers(1, timeout_s=3)
+    w = ReadWorkers(1, timeout_s=120)  # a fresh worker's imports count in its first read: slow on a loaded CI box
     try:
         good = _adapter(tmp_path, tiny_cfg, rng, "good")
         w.read(PeftDirSource(good), "good", tiny_cfg, 16, np.float32)
         first = w._all[0]
+        w.timeout_s = 3.0  # only the hanging read runs under the short timeout, in the worker already started
         t0 = time.monotonic()
         with pytest.raises(AdapterError, match="longer than 3 s") as e:
             w.read(HangingSource(good), "stuck", tiny_cfg, 16, np.float32)
         assert e.value.adapter == "stuck" and 3 <= time.monotonic() - t0 < 30
         assert e.value.retry_after_s == RETRY_AFTER_S  # a slow disk may recover: read again after a wait
+        w.timeout_s = 120.0
         first.proc.wait(timeout=10)  # killed
         _same_rows(w.read(PeftDirSource(good), "good", tiny_cfg, 16, np.float32),
                    PeftDirSource(good).load_rows("good", tiny_cfg, 16, np.float32))
