@@ -16,7 +16,9 @@ Ranks mix freely: a row runs the branch of its rank class (the smallest of ``cla
 its rank), whose tiles are [class, chunks, V], so a rank-8 row in a max-rank-64 batch moves full tiles of its own
 rows instead of 64-row tiles with 56 rows masked. Rows with slot -1 and modules with rank 0 exit at once (base is
 aliased to the output and stays as it is). The shrink reduces each tile over its V lanes (inside a warp) into a
-[class, chunks] fp32 partial and sums the chunks once at the end.
+[class, chunks] fp32 partial and sums the chunks once at the end; with ``reduce_once`` it keeps the whole
+[class, chunks, V] product in fp32 registers and reduces over V and the chunks once, after its last step (no warp
+shuffles in the loop, at the cost of a tile's worth of fp32 registers; a variant for the benchmark, off by default).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ class FusedTuning(NamedTuple):
     """Static overrides of :func:`fused_plan` (``None`` = the plan's choice; hashable, pass as a static arg).
 
     mode: "fused" | "split"; vecs: output vectors (of V columns) per program; splits: d_in splits (split mode);
-    tile_elems: adapter elements per program step; num_warps; classes: how many rank classes.
+    tile_elems: adapter elements per program step; num_warps; classes: how many rank classes; reduce_once: the
+    shrink reduces over V once, after its loop, instead of at every step.
     """
 
     mode: str | None = None
@@ -75,6 +78,7 @@ class FusedTuning(NamedTuple):
     tile_elems: int | None = None
     num_warps: int | None = None
     classes: int | None = None
+    reduce_once: bool | None = None
 
 
 class FusedPlan(NamedTuple):
@@ -85,6 +89,7 @@ class FusedPlan(NamedTuple):
     num_warps: int
     classes: tuple[int, ...]
     est_us: float  # the cost model's estimate (0 in interpret mode)
+    reduce_once: bool = False  # not in the cost model: only a tuning sets it
 
 
 def _kernel_us(programs, per_prog, l2_bytes, hbm_bytes, tile_bytes, resident) -> float:
@@ -145,7 +150,7 @@ def fused_plan(n_rows: int, n_chunks: int, out_vecs: tuple[int, ...], vdim: int,
         raise ValueError(f"unknown fused LoRA mode {mode!r}")
     vecs = min(vecs, next_pow2(max(out_vecs)))
     splits = min(splits, n_chunks)
-    return FusedPlan(mode, vecs, splits, tile_elems, warps, classes, est)
+    return FusedPlan(mode, vecs, splits, tile_elems, warps, classes, est, bool(tuning.reduce_once))
 
 
 class _Geom(NamedTuple):
@@ -163,6 +168,7 @@ class _Geom(NamedTuple):
     splits: int
     page_rows: int
     vdim: int
+    reduce_once: bool = False
 
 
 class _Row(NamedTuple):
@@ -218,10 +224,12 @@ def _shrink(x_ref, pool_ref, pages_ref, row: _Row, a_off, r_b, lo, hi, span, g: 
         cmask = cc < hi
         a = _gather(pool_ref, pages_ref, row, row0[:, None] + cc[None, :], kmask[:, None] & cmask[None, :], g)
         xc = load(x_ref.at[row.t, cc[:, None], lane[None, :]], mask=cmask[:, None], other=0)
-        return acc + jnp.sum(a.astype(_F32) * xc.astype(_F32)[None, :, :], axis=2)
+        prod = a.astype(_F32) * xc.astype(_F32)[None, :, :]
+        return acc + (prod if g.reduce_once else jnp.sum(prod, axis=2))
 
-    acc = lax.fori_loop(0, -(-span // c), step, jnp.zeros((r_b, c), _F32))
-    return jnp.sum(acc, axis=1)
+    shape = (r_b, c, g.vdim) if g.reduce_once else (r_b, c)
+    acc = lax.fori_loop(0, -(-span // c), step, jnp.zeros(shape, _F32))
+    return jnp.sum(jnp.sum(acc, axis=2) if g.reduce_once else acc, axis=1)
 
 
 def _expand_tiles(pool_ref, pages_ref, base_ref, row: _Row, b_off, n_out, col0, first, r_b, g: _Geom):
@@ -347,7 +355,7 @@ def bgmv_lora(x: jax.Array, base: jax.Array, pool: jax.Array, layer, row_slot: j
     blk_starts = tuple(sum(-(-n // p.vecs) for n in out_vecs[:i]) for i in range(n_mod))
     n_blocks = sum(-(-n // p.vecs) for n in out_vecs)
     g = _Geom(tuple(modules), out_vecs, tuple(sum(out_vecs[:i]) for i in range(n_mod)), blk_starts, p.vecs,
-              p.classes, p.tile_elems, n_chunks, -(-n_chunks // p.splits), p.splits, page_rows, vdim)
+              p.classes, p.tile_elems, n_chunks, -(-n_chunks // p.splits), p.splits, page_rows, vdim, p.reduce_once)
     lay = layer_args(layer, pool.shape)
     slot = row_slot.astype(jnp.int32)
     xv, poolv = x.reshape(n_rows, n_chunks, vdim), pool.reshape(-1, vdim)

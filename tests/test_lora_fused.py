@@ -65,6 +65,8 @@ FUSED_CASES = [
     (3, DOWN, 1, 4, FusedTuning(mode="split", splits=4, vecs=1, tile_elems=256)),  # 6 chunks in splits of 2
     (4, O_PROJ, 0, 3, FusedTuning(mode="split", splits=3, tile_elems=64, classes=2)),  # ranks far below their class
     (5, QKV, 0, 5, FusedTuning(vecs=1, classes=1)),  # one class: every row in the max-rank tile
+    (6, GATE_UP, 1, 4, FusedTuning(tile_elems=256, reduce_once=True)),  # [class, chunks, V] kept over many steps
+    (7, DOWN, 0, 5, FusedTuning(mode="split", splits=4, tile_elems=512, reduce_once=True)),  # the partials too
 ]
 
 
@@ -127,10 +129,13 @@ def test_plan_shapes(n_rows, max_rank):
     tuned = FusedTuning(mode="split", vecs=4, splits=8, tile_elems=4096, num_warps=4, classes=2)
     p = fused_plan(n_rows, 86, (32,), 128, max_rank, 2, interpret=False, tuning=tuned)
     assert (p.mode, p.vecs, p.splits, p.tile_elems, p.num_warps, len(p.classes)) == ("split", 4, 8, 4096, 4, 2)
+    assert not p.reduce_once and fused_plan(n_rows, 86, (32,), 128, max_rank, 2, interpret=False,
+                                            tuning=tuned._replace(reduce_once=True)).reduce_once
 
 
+@pytest.mark.parametrize("reduce_once", [False, True])
 @pytest.mark.parametrize("mode", ["fused", "split"])
-def test_lowers_through_triton(mode):
+def test_lowers_through_triton(mode, reduce_once):
     """Every primitive of both plans has a Triton lowering rule (the GPU compile itself needs the GPU suite)."""
 
     def sds(shape, dtype):
@@ -143,7 +148,7 @@ def test_lowers_through_triton(mode):
 
     def fn(x, base, pool, layer, row_slot, table):
         return bgmv_lora(x, base, pool, layer, row_slot, table, QKV, 64, d_outs, interpret=False,
-                         tuning=FusedTuning(mode=mode))
+                         tuning=FusedTuning(mode=mode, reduce_once=reduce_once))
 
     args = (sds((n_rows, d_in), jnp.bfloat16), sds((n_rows, sum(d_outs)), jnp.bfloat16),
             sds((n_layers, 16, 64, 128), jnp.bfloat16), sds((), jnp.int32), sds((n_rows,), jnp.int32), table)
@@ -166,5 +171,7 @@ def test_gpu_bgmv_lora(modules, dtype, tol):
     world = make_world(61 + len(modules), GPU_DIMS, n_adapters=6, n_slots=12)
     rng = np.random.default_rng(71)
     for n_rows in (1, 37, 256):
-        for tuning in (None, FusedTuning(mode="fused", vecs=2), FusedTuning(mode="split", splits=4)):
+        for tuning in (None, FusedTuning(mode="fused", vecs=2), FusedTuning(mode="split", splits=4),
+                       FusedTuning(mode="split", tile_elems=8192, num_warps=8, reduce_once=True),
+                       FusedTuning(mode="fused", reduce_once=True)):
             check_fused(world, modules, 1, n_rows, tuning, rng, dtype, tol)
