@@ -457,7 +457,9 @@ LAYER_VARIANTS = {"fused": VARIANTS["fused"], "split": VARIANTS["split"],
                   "split_t4k": FusedTuning(mode="split", tile_elems=4096, num_warps=4),
                   # the shrink reduces over V once after its loop (session 23): the plan below 64 rows, and fused
                   "split_t8k_once": FusedTuning(mode="split", tile_elems=8192, num_warps=8, reduce_once=True),
-                  "fused_once": FusedTuning(mode="fused", reduce_once=True)}
+                  "fused_once": FusedTuning(mode="fused", reduce_once=True),
+                  # one rank class (the table's rows are all rank 16): does each class's branch cost registers?
+                  "split_t8k_c1": FusedTuning(mode="split", tile_elems=8192, num_warps=8, classes=1)}
 TABLE_DEADLINE_S = 420  # start no new row after this (one device call is 10 minutes)
 LAUNCH_OPS = ("fusion", "custom-call", "copy", "copy-start", "reduce", "scatter", "gather", "sort",
               "dynamic-update-slice", "dynamic-slice", "all-reduce")
