@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cuda_lowering import lower_for_cuda
 from test_sampling_filter import _arrays, _batch, _ref_bounds
 
 from pallas_kernels.keep_threshold import KEY_BELOW_NEG_INF, KEY_POS_INF, float_key, keep_threshold, key_value
@@ -95,8 +96,7 @@ def test_the_kernel_lowers_to_triton_for_a_gpu(rows, vocab, pivots):
     every block shape is a power of two, as the Triton lowering demands and interpret mode does not check."""
     shapes = (jax.ShapeDtypeStruct((rows, vocab), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.int32),
               jax.ShapeDtypeStruct((rows,), jnp.float32))
-    fn = jax.jit(lambda a, b, c: keep_threshold(a, b, c, pivots=pivots, interpret=False))
-    text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(lambda a, b, c: keep_threshold(a, b, c, pivots=pivots, interpret=False), *shapes).as_text()
     assert "__gpu$xla.gpu.triton" in text and f"keep_threshold_p{pivots}_c2048" in text
 
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cuda_lowering import lower_for_cuda
 from test_lora_kernels import (
     DOWN,
     GATE_UP,
@@ -152,7 +153,7 @@ def test_lowers_through_triton(mode, reduce_once):
 
     args = (sds((n_rows, d_in), jnp.bfloat16), sds((n_rows, sum(d_outs)), jnp.bfloat16),
             sds((n_layers, 16, 64, 128), jnp.bfloat16), sds((), jnp.int32), sds((n_rows,), jnp.int32), table)
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(fn, *args)
     assert lowered.as_text().count("xla.gpu.triton") == (1 if mode == "fused" else 2)
 
 

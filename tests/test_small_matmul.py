@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cuda_lowering import lower_for_cuda
 
 from pallas_kernels.small_matmul import SmallMatmulPlan, plan_fits, small_matmul, small_matmul_reference
 
@@ -88,9 +89,8 @@ def test_shapes_that_disagree_are_refused():
 def test_lowers_to_triton_for_a_gpu(plan):
     """Lowered for CUDA on the CPU: every primitive has its Triton rule and every block is a power of two."""
     s = jax.ShapeDtypeStruct
-    fn = jax.jit(lambda x, w, r: small_matmul(x, w, r, plan=plan, interpret=False))
-    text = fn.trace(s((3, 11008), jnp.bfloat16), s((11008, 4096), jnp.bfloat16), s((3, 4096), jnp.bfloat16)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    avals = (s((3, 11008), jnp.bfloat16), s((11008, 4096), jnp.bfloat16), s((3, 4096), jnp.bfloat16))
+    text = lower_for_cuda(lambda x, w, r: small_matmul(x, w, r, plan=plan, interpret=False), *avals).as_text()
     assert "__gpu$xla.gpu.triton" in text and "small_matmul" in text
 
 

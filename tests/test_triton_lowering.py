@@ -3,9 +3,10 @@
 Why: the CPU suite runs the kernels in interpret mode, which never checks what the Triton lowering demands (a Triton
 rule for every primitive, power-of-two array shapes, no scalar prefetch), and GPU time is scarce, so a kernel change
 that breaks the lowering would otherwise first show up on the GPU. jaxlib carries Triton's MLIR dialects, so
-``lower(lowering_platforms=("cuda",))`` runs the whole Pallas -> Triton lowering here; the inputs are
-``jax.ShapeDtypeStruct``s and nothing is compiled or run. What only Triton's compiler checks (e.g. ``tl.dot``'s
-16-row minimum, shared memory and register limits) still needs the GPU suite.
+``lower(lowering_platforms=("cuda",))`` runs the whole Pallas -> Triton lowering here (jax 0.11 through an abstract
+H200: tests/cuda_lowering.py); the inputs are ``jax.ShapeDtypeStruct``s and nothing is compiled or run. What only
+Triton's compiler checks (e.g. ``tl.dot``'s 16-row minimum, shared memory and register limits) still needs the GPU
+suite.
 
 Shapes are the serving ones: Llama-2-7B (32 heads, 32 KV heads) and Llama-3-8B (GQA: 8 KV heads) from ``configs/``,
 bf16, a 64 GiB unified pool of 16-token pages, 64 adapter slots, the engine's GPU tiles (``lora_block_t`` 64,
@@ -27,6 +28,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from cuda_lowering import lower_for_cuda
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -76,14 +78,14 @@ def cuda_lowering():
 
     call = pl.pallas_call(add_one, out_shape=S((16,), F32), interpret=False, compiler_params=pltriton.CompilerParams())
     try:
-        jax.jit(call).trace(S((16,), F32)).lower(lowering_platforms=("cuda",))
+        lower_for_cuda(call, S((16,), F32))
     except Exception as e:  # an environment limit: nothing of this project is involved
         pytest.skip(f"this jax cannot lower Pallas Triton kernels for CUDA: {type(e).__name__}: {e}")
 
 
 def cuda_text(fn, *args) -> str:
     """``fn`` lowered for CUDA (StableHLO text)."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_cuda(fn, *args).as_text()
 
 
 def triton_kernels(fn, *args) -> list[str]:
