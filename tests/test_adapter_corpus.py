@@ -463,13 +463,13 @@ def test_a_catastrophic_regex_is_matched_in_linear_time(dirs, tiny_cfg):
     start = time.monotonic()
     ranks = check_peft_dir(path, tiny_cfg, "evil", 16)
     load_peft_adapter(path, tiny_cfg)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 5.0  # backtracking on a module name would take hours; 5 s spares a loaded box
     assert set(ranks.values()) == {4}  # the patterns match no module name: PEFT's answer too
     config(target_modules=CATASTROPHIC)(allowed / "evil2", tiny_cfg, None)
     start = time.monotonic()
     with pytest.raises(AdapterError, match="matches no supported projection"):
         check_peft_dir(allowed / "evil2", tiny_cfg, "evil2", 16)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 5.0
 
 
 ORDINARY_PATTERNS = ["q_proj", "v_proj", "down_proj", "o_proj", r"layers\.1\.self_attn\.q_proj", ".*proj", "(q|k)_proj",
