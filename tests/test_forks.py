@@ -108,6 +108,28 @@ def test_greedy_samples_share_one_prefill_and_equal_peft(engines, tiny_dir, adap
     _assert_all_freed(eng)
 
 
+def test_stats_count_the_shared_prompt_pages_once(engines):
+    """``Engine.stats()`` (the server's /metrics, the Ray router's load) while samples share their prompt's full
+    pages: each shared page's tokens count once. Summed per sample they once exceeded the KV pages and it raised."""
+    (eng,) = engines.values()
+    rng = np.random.default_rng()
+    n, n_prompt = 4, 4 * P + int(rng.integers(1, P))  # 4 full pages shared, a partial one each
+    ids = add_samples(eng, n, _prompt(rng, eng, n_prompt), "r8-all7",
+                      SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, seed=int(rng.integers(2**62))))
+    checked = 0
+    while eng.has_unfinished():
+        eng.step()
+        running = eng.scheduler.running
+        live = eng.stats()["pool"]["kv_tokens_live"]
+        if len(running) > 1 and all(s.num_cached >= 4 * P for s in running):
+            assert live == 4 * P + sum(s.num_cached - 4 * P for s in running)
+            checked += 1
+    assert checked >= 2
+    for rid in ids:
+        eng.release(rid)
+    _assert_all_freed(eng)
+
+
 def test_seeded_samples_are_reproducible_and_each_its_own_stream(engine):
     eng = engine
     rng = np.random.default_rng()

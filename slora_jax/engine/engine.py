@@ -484,7 +484,6 @@ class Engine:
             del self.requests[request_id]
 
     def stats(self) -> dict:
-        kv_live = sum(s.num_cached for s in self.scheduler.running)
         return {
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
@@ -494,7 +493,7 @@ class Engine:
             "compiles": compile_counter.compile_count(),
             "compiles_since_warmup": self.compiles_since_warmup(),
             "step_seconds": dict(self.time_in),
-            "pool": self.pool.stats(kv_tokens_live=kv_live),
+            "pool": self.pool.stats(kv_tokens_live=self.scheduler.live_kv_tokens()),
             "adapters": self.store.stats(),
             "prefix_cache": self.scheduler.prefix_cache.stats() if self.scheduler.prefix_cache else {},
         }

@@ -303,6 +303,15 @@ class Scheduler:
         return preempted
 
     # ---------------------------------------------------------------- room
+    def live_kv_tokens(self) -> int:
+        """Tokens whose K/V the running sequences use, each page's counted once: samples of one prompt and prefix
+        cache hits share leading pages (a page holds as many live tokens as its fullest user has in it)."""
+        size, live = self.ecfg.page_size, {}
+        for seq in self.running:
+            for i, page in enumerate(seq.kv_pages[: pages_for(seq.num_cached, size)]):
+                live[page] = max(live.get(page, 0), min(size, seq.num_cached - i * size))
+        return sum(live.values())
+
     def obtainable_pages(self) -> int:
         """Free pages plus what evicting unused cached prefixes and unpinned adapters would free."""
         cached = self.prefix_cache.evictable_pages if self.prefix_cache else 0
