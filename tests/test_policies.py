@@ -168,6 +168,29 @@ def test_early_abort_never_serves_late_nor_aborts_what_could_make_it():
     assert sched.num_deadline_aborts == len(aborted)  # both cuts counted
 
 
+def test_early_abort_leaves_a_preempted_request_that_met_its_deadline_alone():
+    """A request preempted after its first token waits again; its first-token deadline was met, so early abort must
+    not end it mid-stream when the deadline has passed (it once did), while a never-served one past it is ended."""
+    clock = Clock()
+    sched = Scheduler(base_cfg(scheduling_policy="slo", early_abort=True), FakePool(4096), FakeStore(8), clock=clock)
+    served, fresh = (Sequence(prompt_ids=[1] * 20, adapter=None, arrival_time=0.0, deadline=1.0,
+                              sampling=SamplingParams(max_tokens=50, temperature=0.0)) for _ in range(2))
+    sched.add(served)
+    plan = sched.schedule()
+    assert plan.seqs == [served]
+    clock.now = 0.1
+    assert sched.on_token(served, clock.now)
+    served.first_token_time = clock.now
+    served.output_ids.append(7)
+    sched.preempt(served)  # back in the queue, to be recomputed
+    sched.add(fresh)
+    clock.now = 5.0  # both deadlines long past
+    sched.schedule()
+    failed = [seq for seq, _, kind in sched.take_failed() if kind == "deadline"]
+    assert failed == [fresh]
+    assert served.status == Status.RUNNING and sched.num_deadline_aborts == 1
+
+
 def test_early_abort_serves_more_within_deadline_than_fcfs():
     """Over three random overload traces: never fewer within the deadline, and well more in all (one trace alone
     ranged 1.06-3x of FCFS over 60 seeds, so a 1.2x bound on one trace failed 3% of runs; three summed: >= 1.96x

@@ -140,9 +140,11 @@ class Scheduler:
                 f"served; the server is overloaded): not served late, try again later")
 
     def _expire(self) -> None:
-        """Early abort: take out waiting requests that can no longer meet their first-token deadline."""
+        """Early abort: take out waiting requests that can no longer meet their first-token deadline (not those back
+        in the queue after a preemption: their first token was served, the deadline was met)."""
         now, bound = self.clock(), self.min_time_to_first_token()
-        late = [s for s in self.waiting if s.deadline is not None and now + bound > s.deadline]
+        late = [s for s in self.waiting
+                if s.deadline is not None and s.first_token_time is None and now + bound > s.deadline]
         for seq in late:
             self.waiting.remove(seq)
             self.num_deadline_aborts += 1
