@@ -147,3 +147,27 @@ def test_unregistered_adapter_never_hits_its_old_pages(engines, adapter_dirs):
     ours = _run(eng, [(0, "r32-qv", prompt, 6)])
     assert eng.stats()["prefix_cache"]["hit_pages"] == hits0
     assert ours == _run(engines["off"], [(0, "r8-all7", prompt, 6)])
+
+
+def test_cached_prefixes_give_way_to_an_adapter_load(tiny_dir, adapter_dirs):
+    """Pages that only unused cached prefixes hold are evicted for an adapter that needs them. Admission counted them
+    as obtainable, but the store makes room from free pages and unpinned adapters only, so the request once waited
+    forever in an idle engine."""
+    rng = np.random.default_rng()
+    eng = Engine.from_model_dir(tiny_dir, dataclasses.replace(BASE, prefix_cache=True, num_pages=48),
+                                adapters={"r8-all7": adapter_dirs["r8-all7"]}, progress=False)
+    need = eng.store.pages_needed_to_load("r8-all7")
+    vocab = eng.cfg.vocab_size
+    # three base-model prompts of 11 full pages (+1 token) each: 33 pages stay cached after they finish
+    _run(eng, [(0, None, [int(t) for t in rng.integers(3, vocab, size=11 * P + 1)], 1) for _ in range(3)])
+    assert eng.pool.num_free_pages + eng.store.evictable_pages() < need <= eng.scheduler.obtainable_pages()
+    prompt = [int(t) for t in rng.integers(3, vocab, size=5)]
+    steps = 0
+    rid = eng.add_request(prompt, "r8-all7", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished() and steps < 50:
+        for out in eng.step():
+            assert out.error is None, out.error
+        steps += 1
+    assert eng.requests[rid].finish_reason == "length"
+    assert eng.stats()["prefix_cache"]["evicted"] > 0
+    eng.pool.allocator.check_invariants()

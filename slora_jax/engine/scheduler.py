@@ -236,6 +236,10 @@ class Scheduler:
             if worst + adapter_pages > self.obtainable_pages():
                 self._unshare(seq, shared)
                 break
+            # the store makes room for a load from free pages and unpinned adapters only: cached prefixes go first
+            short = adapter_pages - self.pool.num_free_pages - self.store.evictable_pages()
+            if short > 0 and self.prefix_cache:
+                self.prefix_cache.evict(short)
             slot = self._acquire(seq)
             if slot is None:
                 self._unshare(seq, shared)
