@@ -329,6 +329,41 @@ def test_raising_callback_does_not_corrupt_other_requests(tiny_dir, adapter_dirs
     assert got[1:] == expected[1:]
 
 
+def test_a_device_error_mid_admission_leaves_no_pages_or_pins(tiny_dir, adapter_dirs):
+    """The device fails the second request's adapter load while the first is already taken into the prefill: the
+    step raises, both wait again holding nothing (the first once kept its pages and a pin that no abort released),
+    and the next steps serve both as if alone."""
+    eng = _make(tiny_dir, adapter_dirs, BIG)  # its own engine: its pool load is made to fail
+    rng = np.random.default_rng()
+    sp = SamplingParams(max_tokens=5, **GREEDY)
+    prompts = [_prompt(rng, eng.cfg.vocab_size) for _ in ADAPTERS]
+    expected = [_alone(eng, p, a, sp) for p, a in zip(prompts, ADAPTERS, strict=True)]
+    eng.store._evict("r8-all7")  # "r4-qkvo" stays resident and unpinned; "r8-all7" must be loaded again
+    real, failed = eng.pool.load_adapter, []
+
+    def load_failing_once(name, *args, **kw):
+        if name == "r8-all7" and not failed:
+            failed.append(name)
+            raise RuntimeError("RESOURCE_EXHAUSTED (simulated)")
+        return real(name, *args, **kw)
+
+    eng.pool.load_adapter = load_failing_once
+    rids = [eng.add_request(p, a, sp) for p, a in zip(prompts, ADAPTERS, strict=True)]
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        eng.step()
+    assert failed and all(eng.requests[r].status == Status.WAITING for r in rids)
+    _audit(eng)  # no KV pages held by waiting requests, no pins without running ones
+    assert eng.pool.stats()["pages_kv"] == 0
+    for _ in range(100):
+        if not eng.has_unfinished():
+            break
+        for out in eng.step():
+            assert out.error is None, out.error
+        _audit(eng)
+    assert [eng.requests[r].output_ids for r in rids] == expected
+    assert eng.pool.stats()["pages_kv"] == 0 and all(eng.store.pin_count(a) == 0 for a in ADAPTERS)
+
+
 def test_abandoned_stream_releases_its_request(eng):
     rng = np.random.default_rng(95)
     gen = eng.stream(_prompt(rng, eng.cfg.vocab_size), "r4-qkvo", SamplingParams(max_tokens=20, **GREEDY))

@@ -209,8 +209,29 @@ class Scheduler:
         return seq.can_grow(self.ecfg.max_model_len)
 
     def _admit(self) -> list[Sequence]:
-        ecfg, page = self.ecfg, self.ecfg.page_size
         batch: list[Sequence] = []
+        try:
+            self._choose(batch)
+        except BaseException:  # a device error mid-admission: those taken so far give back their pages and pins
+            for seq in batch:
+                self.free(seq)
+                self._release(seq)
+                seq.adapter_slot = -1
+            raise
+        now = self.clock()
+        for seq in batch:
+            self.waiting.remove(seq)
+            seq.status = Status.RUNNING
+            seq.admit_time = now
+            self.running.append(seq)
+        self.policy.on_admitted(batch, self.waiting)
+        # rows of one adapter next to each other: SGMV segments
+        batch.sort(key=lambda s: s.adapter_slot)
+        return batch
+
+    def _choose(self, batch: list[Sequence]) -> None:
+        """Append to ``batch`` the waiting sequences this prefill takes, each with its KV pages and adapter pin."""
+        ecfg, page = self.ecfg, self.ecfg.page_size
         tokens, forks, passed = 0, set(), 0
         for seq in self.policy.order(self.waiting):
             n = seq.num_tokens
@@ -240,32 +261,30 @@ class Scheduler:
             short = adapter_pages - self.pool.num_free_pages - self.store.evictable_pages()
             if short > 0 and self.prefix_cache:
                 self.prefix_cache.evict(short)
-            slot = self._acquire(seq)
-            if slot is None:
+            slot = None
+            try:
+                slot = self._acquire(seq)
+                if slot is None:
+                    self._unshare(seq, shared)
+                    if seq.error is not None:  # adapter failed to load: the engine ends this request
+                        continue
+                    break
+                if not self.reclaim_pages(worst):
+                    self._unshare(seq, shared)
+                    self._release(seq)
+                    break
+                own = self.pool.alloc_kv_pages(pages_for(n, page) - len(shared), owner=seq.request_id)
+            except BaseException:  # e.g. the device failed a load: this one gives back what it took, then _admit
                 self._unshare(seq, shared)
-                if seq.error is not None:  # adapter failed to load: the engine ends this request
-                    continue
-                break
-            if not self.reclaim_pages(worst):
-                self._unshare(seq, shared)
-                self._release(seq)
-                break
-            seq.kv_pages = shared + self.pool.alloc_kv_pages(pages_for(n, page) - len(shared), owner=seq.request_id)
+                if slot is not None:
+                    self._release(seq)
+                raise
+            seq.kv_pages = shared + own
             seq.shared_pages, seq.num_cached = len(shared), len(shared) * page  # prefill computes from there
             seq.adapter_slot = slot
             batch.append(seq)
             tokens += n
             forks.add(seq.fork)
-        now = self.clock()
-        for seq in batch:
-            self.waiting.remove(seq)
-            seq.status = Status.RUNNING
-            seq.admit_time = now
-            self.running.append(seq)
-        self.policy.on_admitted(batch, self.waiting)
-        # rows of one adapter next to each other: SGMV segments
-        batch.sort(key=lambda s: s.adapter_slot)
-        return batch
 
     def _acquire(self, seq: Sequence) -> int | None:
         if seq.adapter is None:
