@@ -7,6 +7,7 @@ page books and adapter pins are audited after every step.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -362,6 +363,29 @@ def test_a_device_error_mid_admission_leaves_no_pages_or_pins(tiny_dir, adapter_
         _audit(eng)
     assert [eng.requests[r].output_ids for r in rids] == expected
     assert eng.pool.stats()["pages_kv"] == 0 and all(eng.store.pin_count(a) == 0 for a in ADAPTERS)
+
+
+def test_a_raising_callback_leaves_no_other_failed_request_unfinished(tiny_dir, adapter_dirs):
+    """Requests the engine ends unserved (here: past their first-token deadline under early abort) are each ended
+    even when the first one's callback raises; the rest were once left out of the queue with no final output."""
+    eng = _make(tiny_dir, adapter_dirs, dataclasses.replace(BIG, early_abort=True))
+    rng = np.random.default_rng()
+    got = []
+
+    def raising(out):
+        got.append(out)
+        raise RuntimeError("client went away")
+
+    sp = SamplingParams(max_tokens=4, **GREEDY)
+    rids = [eng.add_request(_prompt(rng, eng.cfg.vocab_size), None, sp, first_token_slo_s=1e-4,
+                            on_output=raising if i == 0 else got.append) for i in range(3)]
+    time.sleep(0.01)  # every deadline passes before the next schedule
+    with pytest.raises(RuntimeError, match="client went away"):
+        eng.step()
+    assert sorted(out.request_id for out in got) == sorted(rids)
+    assert all(out.finished and out.error_kind == "deadline" for out in got)
+    assert all(eng.requests[r].status == Status.FINISHED for r in rids) and not eng.has_unfinished()
+    _audit(eng)
 
 
 def test_abandoned_stream_releases_its_request(eng):

@@ -30,6 +30,7 @@ from ..model.sharding import TensorParallel
 from . import compile_counter, offline
 from .adapter_mixes import AdapterMixes
 from .adapter_store import AdapterStore
+from .callbacks import each_then_raise
 from .config import EngineConfig, resolve_layer_loop
 from .detok import IncrementalDetokenizer
 from .grammar import GrammarMatcher, prepare_grammar_rows
@@ -200,9 +201,9 @@ class Engine:
         bookkeeping (tokens, stops, callbacks, the next batch) overlaps the device's work instead of idling it.
         """
         t0 = time.perf_counter()
-        outputs = [self._finish(seq, "error", error, kind) for seq, error, kind in self.scheduler.take_failed()]
+        outputs = self._end_failed()
         plan = self.scheduler.schedule()
-        outputs += [self._finish(seq, "error", error, kind) for seq, error, kind in self.scheduler.take_failed()]
+        outputs += self._end_failed()
         self.last_plan = plan
         previous = self._inflight
         t1 = time.perf_counter()
@@ -295,20 +296,20 @@ class Engine:
         """Append a dispatched step's tokens, read back (sequences ended meanwhile drop theirs). Every token is
         appended even if a callback raises; the first callback error is raised at the end."""
         now = time.monotonic()
-        outputs, error = [], None
-        for seq, row in zip(seqs, rows, strict=True):
+        def append(seq_row: tuple[Sequence, int]) -> RequestOutput | None:
+            seq, row = seq_row
             if seq.status == Status.FINISHED:
-                continue
+                return None
             if seq.status == Status.RUNNING:
                 seq.num_cached = len(seq.prompt_ids) + len(seq.output_ids)  # K/V this step wrote
-            try:
-                token = int(tokens[row])
-                outputs.append(self._append(seq, token, now, logprobs and logprobs.row(row, token, seq)))
-            except Exception as e:  # noqa: BLE001 - a caller's callback; the other sequences must still advance
-                error = error or e
-        if error is not None:
-            raise error
-        return outputs
+            token = int(tokens[row])
+            return self._append(seq, token, now, logprobs and logprobs.row(row, token, seq))
+
+        return each_then_raise(zip(seqs, rows, strict=True), append)
+
+    def _end_failed(self) -> list[RequestOutput]:
+        """End the requests the scheduler could not serve (every one, even if a callback raises)."""
+        return each_then_raise(self.scheduler.take_failed(), lambda f: self._finish(f[0], "error", *f[1:]))
 
     def _item(self, seq: Sequence, kind: str) -> StepItem:
         mask = seq.grammar.mask() if seq.grammar is not None else None
