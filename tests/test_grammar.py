@@ -23,6 +23,7 @@ from slora_jax.engine.grammar import (
     fill_masks,
     ll_tokenizer,
 )
+from slora_jax.engine.grammar_depth import MAX_DEPTH
 from slora_jax.engine.sampling import mask_words
 from slora_jax.tools.tokenizer import load_tokenizer, write_tokenizer
 
@@ -150,6 +151,41 @@ def test_a_token_outside_the_grammar_breaks_the_matcher(compiler, tokenizer):
 ])
 def test_bad_grammars_raise_with_the_reason(compiler, spec, reason):
     with pytest.raises(GrammarError, match=reason):
+        compiler.compile(spec)
+
+
+def _ref_chain(n: int) -> dict:
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+    return {"$ref": "#/$defs/d0", "$defs": defs | {f"d{n}": {"type": "string"}}}
+
+
+def _rule_chain(n: int, gbnf: bool = False) -> str:
+    eq = " ::= " if gbnf else ": "
+    head = "root" if gbnf else "start"
+    return f"{head}{eq}r0\n" + "".join(f"r{i}{eq}r{i + 1}\n" for i in range(n)) + f'r{n}{eq}"a"\n'
+
+
+@pytest.mark.parametrize("spec", [
+    GrammarSpec("json_schema", _ref_chain(1000)),  # these four overflowed the compiler's stack: the server died
+    GrammarSpec("json_schema", json.dumps(_ref_chain(5000))),
+    GrammarSpec("grammar", _rule_chain(3000)),
+    GrammarSpec("grammar", _rule_chain(10000, gbnf=True)),
+    GrammarSpec("json_schema", "[" * 5000 + "]" * 5000),  # json.loads' RecursionError was a 500
+], ids=["ref-chain", "ref-chain-text", "lark-rules", "gbnf-rules", "nested-text"])
+def test_grammars_nested_too_deep_are_refused_before_compiling(compiler, spec):
+    with pytest.raises(GrammarError, match=f"more than {MAX_DEPTH} levels"):
+        compiler.compile(spec)
+
+
+def test_deep_but_allowed_and_recursive_grammars_compile(compiler):
+    """Depth counts chains, not size or recursion: a schema that refers to itself, a grammar whose rule names its
+    own, a wide grammar, and chains just under the bound all compile."""
+    tree = {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "properties": {
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}, "v": {"type": "integer"}}}}}
+    wide = "start: " + " | ".join(f"w{i}" for i in range(500)) + "\n" + "".join(f'w{i}: "x{i}"\n' for i in range(500))
+    for spec in (GrammarSpec("json_schema", tree), GrammarSpec("grammar", 'start: "(" start ")" | "a"\n'),
+                 GrammarSpec("grammar", wide), GrammarSpec("json_schema", _ref_chain(MAX_DEPTH // 3)),
+                 GrammarSpec("grammar", _rule_chain(MAX_DEPTH - 5))):
         compiler.compile(spec)
 
 

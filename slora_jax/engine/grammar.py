@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .grammar_depth import MAX_DEPTH, check_grammar_depth, check_schema_depth
 from .sampling import mask_words
 
 MASK_BITS = 32  # a mask row is int32 words; bit j of word w allows token 32 * w + j
@@ -63,9 +64,12 @@ class GrammarSpec:
                         schema = json.loads(schema)
                     except json.JSONDecodeError as e:
                         raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+                    except RecursionError:
+                        raise GrammarError(f"the JSON schema nests more than {MAX_DEPTH} levels deep") from None
                 if not isinstance(schema, dict | bool):
                     raise GrammarError("a JSON schema must be a JSON object")
                 try:
+                    check_schema_depth(schema)
                     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
                 except ValueError as e:
                     raise GrammarError(f"invalid JSON schema: {e}") from None
@@ -85,6 +89,7 @@ class GrammarSpec:
                 if not isinstance(self.source, str):
                     raise GrammarError("a grammar must be a string (Lark or GBNF)")
                 try:
+                    check_grammar_depth(self.source)
                     return llguidance.grammar_from("grammar", self.source)
                 except ValueError as e:
                     raise GrammarError(f"invalid grammar: {e}") from None
