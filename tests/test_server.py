@@ -15,7 +15,7 @@ import openai
 import pytest
 from server_fixtures import BASE_NAME, start_server
 
-from slora_jax.engine.detok import IncrementalDetokenizer
+from slora_jax.engine.detok import MAX_PENDING, IncrementalDetokenizer
 from slora_jax.engine.sampling import SamplingParams
 
 N_ADAPTERS = 12  # more than max_loras=8: adapters are evicted and reloaded while serving
@@ -305,6 +305,27 @@ def test_detokenizer_streams_split_characters_exactly(srv, text):
         pieces.append(detok.take(final=i == len(ids) - 1))
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_detokenizer_work_per_token_stays_bounded_on_lone_continuation_bytes(srv):
+    """Tokens that decode to U+FFFD forever (lone UTF-8 continuation bytes, which a request can force) are
+    committed after MAX_PENDING of them; the text was once re-decoded from the last character at every token."""
+    tok = srv.tokenizer
+    lone = next(i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd")
+    decoded = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=True):
+            decoded.append(len(ids))
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    detok = IncrementalDetokenizer(Counting())
+    sent = ""
+    for _ in range(1000):
+        detok.add([lone])
+        sent += detok.take()
+    assert max(decoded) <= 2 * MAX_PENDING and len(sent) >= 1000 - MAX_PENDING
+    assert set(sent) == {"\ufffd"}
 
 
 def test_detokenizer_never_sends_text_a_stop_string_swallows(srv):

@@ -5,7 +5,9 @@ Two things make naive deltas wrong, and both are handled here:
 
 * A token may end inside a multi-byte UTF-8 character (byte-level BPE, SentencePiece byte fallback): the decoded
   text then ends in U+FFFD until the next token completes it. Text is only committed once it no longer ends in
-  U+FFFD (a window of the last tokens is re-decoded, so each step costs O(window), not O(output)).
+  U+FFFD (a window of the last tokens is re-decoded, so each step costs O(window), not O(output)), or once
+  MAX_PENDING tokens wait: no character spans that many, and a run of lone continuation bytes (which a request can
+  force, e.g. with logit_bias) would otherwise be re-decoded whole at every token.
 * A stop string may arrive split over several tokens: the last ``len(longest stop) - 1`` characters are held back
   until they can no longer start a stop string, so text that a stop string later swallows is never sent.
 """
@@ -13,6 +15,7 @@ Two things make naive deltas wrong, and both are handled here:
 from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
+MAX_PENDING = 16  # tokens held back while the text ends in U+FFFD (a UTF-8 character is at most 4 bytes)
 
 
 class IncrementalDetokenizer:
@@ -40,7 +43,8 @@ class IncrementalDetokenizer:
         self.ids.extend(new_ids)
         prefix_text = self._decode(self.ids[self._prefix:self._read])
         full = self._decode(self.ids[self._prefix:])
-        if len(full) > len(prefix_text) and (final or not full.endswith(REPLACEMENT)):
+        settled = final or not full.endswith(REPLACEMENT) or len(self.ids) - self._read >= MAX_PENDING
+        if len(full) > len(prefix_text) and settled:
             start = len(self.text)
             self.text += full[len(prefix_text):]
             self._prefix, self._read = self._read, len(self.ids)
