@@ -402,6 +402,21 @@ def test_http_bad_mixes_are_refused_with_the_reason(http, body, status, match):
     assert ok.status_code == 200, ok.text
 
 
+def test_http_requests_refused_for_other_reasons_register_no_mix(http, srv):
+    """A mix is registered only once the rest of the request passed its checks: refused requests, each naming a new
+    mix, once left every one registered (past max_mixes, with no bound)."""
+    rng = np.random.default_rng()
+    built = srv.engine.mixes.registered
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for bad in ({"temperature": -1}, {"max_tokens": -3}, {"guided_regex": "(("}, {"n": 0}):
+            payload = {"model": BASE_NAME, "max_tokens": 2, "adapters": {"ad-000": float(rng.uniform(0.1, 2.0)),
+                                                                           "ad-001": 1.0}, **bad}
+            payload |= {"prompt": "Hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "Hi"}]}
+            r = http.post(path, json=payload)
+            assert r.status_code == 400, (bad, r.text)
+    assert srv.engine.mixes.registered == built
+
+
 def test_http_non_finite_weights_and_mixes_of_mixes_are_refused(http, srv):
     for raw in ("NaN", "Infinity", "-Infinity", "1e400"):
         r = http.post("/v1/completions", content=f'{{"model": "{BASE_NAME}", "prompt": "Hi", "max_tokens": 2, '

@@ -122,6 +122,16 @@ class RequestBuilder:
         for a name we do not serve."""
         if mix is not None:
             return self.mix_for(model, mix)
+        return self._named_adapter(model)
+
+    def _with_mix(self, req, prepared: PreparedRequest) -> PreparedRequest:
+        """``prepared`` serving the mix that ``req.adapters`` names: registered only once the rest of the request has
+        passed its checks, so refused requests leave no mixes behind (they once piled up past ``max_mixes``)."""
+        if req.adapters is None:
+            return prepared
+        return dataclasses.replace(prepared, adapter=self.mix_for(req.model, req.adapters))
+
+    def _named_adapter(self, model: str) -> str | None:
         if model == self.base_name:
             return None
         if not self.engine.has_adapter(model):  # thread-safe; add_request checks again
@@ -164,7 +174,7 @@ class RequestBuilder:
 
     def build_completion(self, req: CompletionRequest, tenant: str | None = None) -> PreparedRequest:
         req.check_supported()
-        adapter = self.adapter_for(req.model, req.adapters)
+        adapter = None if req.adapters is not None else self._named_adapter(req.model)
         prompt = req.single_prompt()
         prompt_ids = self.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         prepared = self._prepared("completion", req, adapter, prompt_ids, COMPLETION_DEFAULT_MAX_TOKENS, tenant)
@@ -173,11 +183,11 @@ class RequestBuilder:
             text = prompt if isinstance(prompt, str) else (
                 self.threads.tokenizer().decode(prompt_ids) if self.has_tokenizer else "")
             prepared = dataclasses.replace(prepared, echo_text=text)
-        return prepared
+        return self._with_mix(req, prepared)
 
     def build_chat(self, req: ChatCompletionRequest, tenant: str | None = None) -> PreparedRequest:
         req.check_supported()
-        adapter = self.adapter_for(req.model, req.adapters)
+        adapter = None if req.adapters is not None else self._named_adapter(req.model)
         if not self.has_tokenizer:
             raise APIError(400, "this server has no tokenizer, so chat is unavailable; use /v1/completions with "
                            "token ids")
@@ -197,7 +207,7 @@ class RequestBuilder:
         prompt_ids = self.encode(text, add_special_tokens=False, field="messages")
         prepared = self._prepared("chat", req, adapter, prompt_ids, None, tenant)
         self.check_tokens(len(prompt_ids))
-        return prepared
+        return self._with_mix(req, prepared)
 
     def _prepared(self, kind: Kind, req, adapter: str | None, prompt_ids: list[int], default_max_tokens: int | None,
                   tenant: str | None) -> PreparedRequest:
