@@ -16,6 +16,7 @@ from hf_reference import hf_generate
 from slora_jax.engine.config import EngineConfig
 from slora_jax.engine.engine import Engine
 from slora_jax.engine.sampling import SamplingParams
+from slora_jax.engine.scheduler import RequestRejected
 from slora_jax.engine.sequence import Status
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -386,6 +387,20 @@ def test_a_raising_callback_leaves_no_other_failed_request_unfinished(tiny_dir, 
     assert all(out.finished and out.error_kind == "deadline" for out in got)
     assert all(eng.requests[r].status == Status.FINISHED for r in rids) and not eng.has_unfinished()
     _audit(eng)
+
+
+def test_min_tokens_beyond_what_fits_is_refused_naming_it(eng):
+    """With max_tokens left to the engine (as many as fit), a min_tokens above that is refused up front; a huge one
+    once reached the step's inputs and failed there with an OverflowError."""
+    rng = np.random.default_rng()
+    prompt = _prompt(rng, eng.cfg.vocab_size)
+    room = eng.ecfg.max_model_len - len(prompt)
+    for min_tokens in (room + 1, 10**400):
+        with pytest.raises(RequestRejected, match="min_tokens") as e:
+            eng.add_request(prompt, None, SamplingParams(max_tokens=None, min_tokens=min_tokens))
+        assert e.value.param == "min_tokens"
+    out = eng.generate([prompt], None, SamplingParams(max_tokens=None, min_tokens=room, **GREEDY))[0]
+    assert len(out) == room
 
 
 def test_abandoned_stream_releases_its_request(eng):

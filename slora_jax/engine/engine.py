@@ -151,7 +151,7 @@ class Engine:
                 raise RequestRejected(f"{field} token ids must be in [0, {self.cfg.vocab_size})", field)
         if adapter is not None and adapter not in self.store:
             raise KeyError(f"unknown adapter {adapter!r}")
-        max_tokens = self.scheduler.check_request(len(prompt_ids), sampling.max_tokens, adapter)
+        max_tokens = self.scheduler.check_request(len(prompt_ids), sampling.max_tokens, adapter, sampling.min_tokens)
         if max_tokens != sampling.max_tokens:
             sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
         if len(self.scheduler.waiting) >= self.ecfg.max_waiting:

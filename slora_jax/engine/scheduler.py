@@ -172,9 +172,9 @@ class Scheduler:
         """Raise :class:`RequestRejected` for a prompt that leaves no room in the context for even one token."""
         check_prompt_fits(self.ecfg, n_prompt)
 
-    def check_request(self, n_prompt: int, max_tokens: int | None, adapter: str | None) -> int:
+    def check_request(self, n_prompt: int, max_tokens: int | None, adapter: str | None, min_tokens: int = 0) -> int:
         """Raise :class:`RequestRejected` for a request that could never be admitted (admission would wait for it
-        forever); returns its max_tokens, with None resolved to as many as fit."""
+        forever) or never reach its ``min_tokens``; returns its max_tokens, with None resolved to as many as fit."""
         max_len = self.ecfg.max_model_len
         self.check_prompt(n_prompt)
         room = self.kv_room(adapter)
@@ -188,6 +188,9 @@ class Scheduler:
             raise RequestRejected(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) needs more KV cache than "
                                   f"this server's pool holds next to the adapter ({room} tokens); lower max_tokens",
                                   "max_tokens")
+        if min_tokens > max_tokens:  # max_tokens given: SamplingParams.validate refused it already
+            raise RequestRejected(f"min_tokens ({min_tokens}) exceeds the {max_tokens} tokens this request can "
+                                  f"generate after its {n_prompt}-token prompt", "min_tokens")
         return max_tokens
 
     # ---------------------------------------------------------------- planning
