@@ -171,7 +171,8 @@ def _rule_chain(n: int, gbnf: bool = False) -> str:
     GrammarSpec("grammar", _rule_chain(3000)),
     GrammarSpec("grammar", _rule_chain(10000, gbnf=True)),
     GrammarSpec("json_schema", "[" * 5000 + "]" * 5000),  # json.loads' RecursionError was a 500
-], ids=["ref-chain", "ref-chain-text", "lark-rules", "gbnf-rules", "nested-text"])
+    GrammarSpec("grammar", "start: %json " + json.dumps(_ref_chain(1000))),  # a schema inlined in Lark
+], ids=["ref-chain", "ref-chain-text", "lark-rules", "gbnf-rules", "nested-text", "lark-inline-json"])
 def test_grammars_nested_too_deep_are_refused_before_compiling(compiler, spec):
     with pytest.raises(GrammarError, match=f"more than {MAX_DEPTH} levels"):
         compiler.compile(spec)
@@ -184,6 +185,7 @@ def test_deep_but_allowed_and_recursive_grammars_compile(compiler):
         "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}, "v": {"type": "integer"}}}}}
     wide = "start: " + " | ".join(f"w{i}" for i in range(500)) + "\n" + "".join(f'w{i}: "x{i}"\n' for i in range(500))
     for spec in (GrammarSpec("json_schema", tree), GrammarSpec("grammar", 'start: "(" start ")" | "a"\n'),
+                 GrammarSpec("grammar", "start: %json " + json.dumps(tree)),
                  GrammarSpec("grammar", wide), GrammarSpec("json_schema", _ref_chain(MAX_DEPTH // 3)),
                  GrammarSpec("grammar", _rule_chain(MAX_DEPTH - 5))):
         compiler.compile(spec)

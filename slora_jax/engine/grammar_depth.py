@@ -6,12 +6,14 @@ overflowed the compiling thread's stack and killed the server with every request
 levels; anything past :data:`MAX_DEPTH` is refused with a clear error instead.
 
 Depth here: for a JSON schema, nested objects and arrays plus one level per local ``$ref`` followed; for Lark or
-GBNF text, the longest chain of rules each naming the next. A reference back into a rule or schema already on the
-chain (recursion, which the grammar may use freely) adds nothing.
+GBNF text, the longest chain of rules each naming the next, and each schema inlined with llguidance's ``%json``.
+A reference back into a rule or schema already on the chain (recursion, which the grammar may use freely) adds
+nothing.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 MAX_DEPTH = 200
@@ -72,10 +74,20 @@ _LITERALS = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'|/(?:[^/\\\n]
 _COMMENTS = re.compile(r"(?m)(?://|#).*$")
 _RULE = re.compile(r"(?m)^[ \t]*[?!]?([A-Za-z_][\w-]*)(?:\.-?\d+)?[ \t]*(?:::=|:)")
 _NAME = re.compile(r"[A-Za-z_][\w-]*")
+_INLINE_JSON = re.compile(r"%json\s*")
 
 
 def check_grammar_depth(text: str) -> None:
-    """Raise :class:`TooDeep` if a Lark or GBNF grammar's chain of rules is longer than :data:`MAX_DEPTH`."""
+    """Raise :class:`TooDeep` if a Lark or GBNF grammar's chain of rules is longer than :data:`MAX_DEPTH`, or a
+    schema it inlines (``%json {...}``) nests deeper."""
+    for inline in _INLINE_JSON.finditer(text):
+        try:
+            schema, _ = json.JSONDecoder().raw_decode(text, inline.end())
+        except RecursionError:
+            raise TooDeep(f"the grammar's inline JSON schema nests more than {MAX_DEPTH} levels deep") from None
+        except ValueError:  # not JSON: llguidance says what is wrong with it
+            continue
+        check_schema_depth(schema)
     plain = _COMMENTS.sub("", _LITERALS.sub(" ", text))
     heads = list(_RULE.finditer(plain))
     bodies: dict[str, set[str]] = {}
