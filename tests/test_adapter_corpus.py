@@ -416,6 +416,46 @@ def test_names_dtypes_and_shapes_are_refused_before_any_weight_is_read(case, dir
     assert len(reads) == 2 * 4 * tiny_cfg.num_hidden_layers  # the counter does see reads
 
 
+def test_a_weights_file_rewritten_while_it_is_read_fails_as_the_adapters_error(dirs, tiny_cfg, monkeypatch):
+    """The weights are parsed from a private copy: a writer truncating the file (``cp new old`` does) once killed
+    the process with SIGBUS in the mapped file. Truncated before the copy: a retryable error; after it: the copy,
+    whole, is what loads."""
+    allowed, _ = dirs
+    path = write_good(allowed / "moving", tiny_cfg)
+    file = path / weights_file.WEIGHTS_NAME
+    real_size_check, real_check = weights_file._check_header_size, weights_file._check_header
+
+    def truncated_after(fn):
+        def wrapped(*args, **kw):
+            out = fn(*args, **kw)
+            os.truncate(file, 200)  # in place, as a rewrite starts
+            return out
+        return wrapped
+
+    monkeypatch.setattr(weights_file, "_check_header_size", truncated_after(real_size_check))
+    with pytest.raises(AdapterError, match="changed while it was read") as info:
+        _register_and_verify(path, tiny_cfg, (allowed,))
+    assert info.value.retry_after_s is not None
+    monkeypatch.setattr(weights_file, "_check_header_size", real_size_check)
+    path = write_good(allowed / "moving2", tiny_cfg)
+    file = path / weights_file.WEIGHTS_NAME
+    want = load_peft_adapter(path, tiny_cfg)
+    monkeypatch.setattr(weights_file, "_check_header", truncated_after(real_check))
+    got = load_peft_adapter(path, tiny_cfg)
+    assert got.modules.keys() == want.modules.keys()
+    assert all(np.array_equal(got.modules[k].a, want.modules[k].a) for k in want.modules)
+
+
+def test_a_weights_file_larger_than_its_ranks_allow_is_refused_before_it_is_copied(dirs, tiny_cfg, monkeypatch):
+    allowed, _ = dirs
+    path = write_good(allowed / "padded", tiny_cfg)
+    with open(path / weights_file.WEIGHTS_NAME, "ab") as f:
+        f.truncate(64 << 20)  # sparse: 64 MiB of nothing after valid weights
+    monkeypatch.setattr(weights_file, "_private_copy", None)  # never reached
+    with pytest.raises(AdapterError, match="more than its LoRA weights can take"):
+        _register_and_verify(path, tiny_cfg, (allowed,))
+
+
 def _wide_model() -> ModelConfig:
     """A model whose adapters weigh megabytes, so what a failed load keeps is measurable."""
     conf = synth.preset_config("tiny") | dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8,

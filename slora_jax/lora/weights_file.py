@@ -8,6 +8,7 @@ time and checked as they arrive (finite, within float32), so a bad value stops t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -126,6 +127,28 @@ def _as_float32(tensor: np.ndarray, name: str, where: str) -> np.ndarray:
     return out
 
 
+@contextlib.contextmanager
+def _private_copy(file, name: str):
+    """A path to the file's bytes copied into an anonymous memory file that only this process holds (Linux), for
+    the parser to map. Mapped in place, a file that a writer truncates meanwhile (``cp new old`` does) kills the
+    process with SIGBUS at the first page past its new end; a copy that comes up short is the adapter's error."""
+    if not hasattr(os, "memfd_create"):
+        yield file.path
+        return
+    fd = os.memfd_create("slora-adapter-weights", os.MFD_CLOEXEC)
+    try:
+        done = 0
+        while done < file.size:
+            n = os.sendfile(fd, file.fd, done, file.size - done)
+            if n == 0:
+                raise AdapterError(name, f"{WEIGHTS_NAME} changed while it was read ({done} of {file.size} bytes "
+                                         "there); read it again once it is written", RETRY_AFTER_S)
+            done += n
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
 def read_lora_weights(path: Path, name: str, model: ModelConfig, ranks: dict[tuple[int, str], int],
                       roots: tuple[Path, ...] = (), keep_bf16: bool = False,
                       ) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
@@ -135,20 +158,32 @@ def read_lora_weights(path: Path, name: str, model: ModelConfig, ranks: dict[tup
     ``keep_bf16``: BF16 tensors stay bfloat16, unchecked here: for a bfloat16 pool, whose layout
     (``pool_rows.to_pool_rows``) checks their values from the bits in one pass and takes the bits as they are. That
     halves a 7B all-7-projection adapter's read (NOTES, session 13). Other dtypes still become float32."""
+    # the most a file matching ``ranks`` can hold (float64 weights): a larger one is refused before it is copied
+    most = 8 + MAX_HEADER_BYTES + 8 * sum(r * sum(model.module_dims(m)) for (_, m), r in ranks.items())
     with open_adapter_file(Path(path) / WEIGHTS_NAME, name, roots) as file:
         _check_header_size(file.fd, file.size, name)
-        try:
-            handle = safe_open(file.path, framework="numpy")
-        except Exception as e:  # the parser raises several types for corrupt headers
-            raise AdapterError(name, f"unreadable {WEIGHTS_NAME}: {e}") from None
-        with handle as f:
-            layout = _check_header(f, name, model, ranks)
-            weights = {}
-            for (layer, module), keys in sorted(layout.items()):
-                where = module_key(layer, module)
-                a, b = (f.get_tensor(keys[w]) for w in "AB")  # [r, d_in], [d_out, r]
-                if not (keep_bf16 and a.dtype == b.dtype == ml_dtypes.bfloat16):
-                    a, b = _as_float32(a, name, where), _as_float32(b, name, where)
-                # a: a view of lora_A (the pool rows take A^T's rows as they are, and column sums run along memory)
-                weights[(layer, module)] = (a.T, np.ascontiguousarray(b.T))
-            return weights
+        if file.size > most:
+            raise AdapterError(name, f"{WEIGHTS_NAME} is {file.size} bytes, more than its LoRA weights can take "
+                                     f"({most} bytes at most for the ranks its config gives)")
+        with _private_copy(file, name) as private:
+            return _read_checked(private, name, model, ranks, keep_bf16)
+
+
+def _read_checked(path: str, name: str, model: ModelConfig, ranks: dict[tuple[int, str], int], keep_bf16: bool,
+                  ) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+    """The weights of a safetensors file at ``path`` (this process's private copy), once its header matched."""
+    try:
+        handle = safe_open(path, framework="numpy")
+    except Exception as e:  # the parser raises several types for corrupt headers
+        raise AdapterError(name, f"unreadable {WEIGHTS_NAME}: {e}") from None
+    with handle as f:
+        layout = _check_header(f, name, model, ranks)
+        weights = {}
+        for (layer, module), keys in sorted(layout.items()):
+            where = module_key(layer, module)
+            a, b = (f.get_tensor(keys[w]) for w in "AB")  # [r, d_in], [d_out, r]
+            if not (keep_bf16 and a.dtype == b.dtype == ml_dtypes.bfloat16):
+                a, b = _as_float32(a, name, where), _as_float32(b, name, where)
+            # a: a view of lora_A (the pool rows take A^T's rows as they are, and column sums run along memory)
+            weights[(layer, module)] = (a.T, np.ascontiguousarray(b.T))
+        return weights
