@@ -281,6 +281,10 @@ CASES = [
     Case("weights-duplicate", tensors(lambda t, c: t.update({key().removeprefix("base_model.model."): t[key()]})),
          "two lora_A tensors"),
     Case("weights-missing-b", tensors(lambda t, c: t.pop(key(1, "o_proj", "B"))), "lora_B missing"),
+    Case("weights-two-adapters", tensors(lambda t, c: [t.update({k.replace(f"lora_{w}.", f"lora_{w}.{n}."): t.pop(k)})
+                                                        for k in list(t) for w, n in (("A", "default"), ("B", "other"))
+                                                        if f"lora_{w}." in k]),
+         "more than one adapter"),  # A of PEFT's adapter "default", B of "other": once paired and served
     Case("weights-missing-module", tensors(lambda t, c: [t.pop(key(1, "k_proj", w)) for w in "AB"]),
          "no weights for targeted"),
     Case("weights-int32", tensors(retyped(np.int32)), "dtype I32"),

@@ -29,7 +29,7 @@ MAX_HEADER_BYTES = 16 << 20  # a 126-layer model's 1,764 LoRA tensors need ~0.2 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _KEY_RE = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d{1,6})\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight$"
+    r"^(?:base_model\.model\.)?model\.layers\.(\d{1,6})\.(self_attn|mlp)\.(\w+)\.lora_([AB])(\.[^.]+)?\.weight$"
 )
 
 
@@ -61,8 +61,9 @@ def _check_header_size(fd: int, size: int, name: str) -> None:
         raise AdapterError(name, f"unreadable {WEIGHTS_NAME}: truncated (header of {length} bytes, file of {size})")
 
 
-def _tensor_pair(key: str, name: str, num_layers: int) -> tuple[int, str, str]:
-    """(layer, module, "A" or "B") of a LoRA tensor name; raises for anything else in the file."""
+def _tensor_pair(key: str, name: str, num_layers: int) -> tuple[int, str, str, str]:
+    """(layer, module, "A" or "B", the PEFT adapter name suffix or "") of a LoRA tensor name; raises for anything
+    else in the file."""
     match = _KEY_RE.match(key)
     shown = key if len(key) <= 120 else key[:117] + "..."
     if match is None:
@@ -76,14 +77,18 @@ def _tensor_pair(key: str, name: str, num_layers: int) -> tuple[int, str, str]:
         raise AdapterError(name, f"unknown target module in tensor {shown!r}")
     if layer >= num_layers:
         raise AdapterError(name, f"tensor {shown!r} is for layer {layer}; the model has {num_layers}")
-    return layer, module, which
+    return layer, module, which, match[5] or ""
 
 
 def _check_header(f, name: str, model: ModelConfig, ranks: dict[tuple[int, str], int]) -> dict:
     """``{(layer, module): {"A": tensor name, "B": tensor name}}`` once every name, dtype and shape is right."""
     found: dict[tuple[int, str], dict[str, str]] = {}
+    suffixes: dict[str, str] = {}  # PEFT's adapter name in tensor names (".default"): one adapter's tensors only
     for key in f.keys():
-        layer, module, which = _tensor_pair(key, name, model.num_hidden_layers)
+        layer, module, which, suffix = _tensor_pair(key, name, model.num_hidden_layers)
+        suffixes.setdefault(suffix, key)
+        if len(suffixes) > 1:
+            raise AdapterError(name, f"tensors of more than one adapter: {', '.join(sorted(suffixes.values()))}")
         pair = found.setdefault((layer, module), {})
         if which in pair:
             raise AdapterError(name, f"two lora_{which} tensors for {module_key(layer, module)}: {pair[which]!r} "
