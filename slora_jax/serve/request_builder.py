@@ -117,12 +117,16 @@ class RequestBuilder:
     def close(self) -> None:
         self.threads.close()
 
-    def adapter_for(self, model: str, mix: dict[str, float] | None = None) -> str | None:
-        """The adapter a request's ``model`` names (None for the base model), or the mix its ``adapters`` names; 404
-        for a name we do not serve."""
-        if mix is not None:
-            return self.mix_for(model, mix)
-        return self._named_adapter(model)
+    def adapter_for(self, req) -> str | None:
+        """The adapter a request's ``model`` names: None for the base model, and for a request with ``adapters``
+        (its mix is added by :meth:`_with_mix`, once the rest of the request passed); 404 for a name we do not
+        serve."""
+        if req.adapters is not None or req.model == self.base_name:
+            return None
+        if not self.engine.has_adapter(req.model):  # thread-safe; add_request checks again
+            raise APIError(404, f"the model {req.model!r} does not exist (neither the base model {self.base_name!r} "
+                           f"nor a loaded adapter)", "model")
+        return req.model
 
     def _with_mix(self, req, prepared: PreparedRequest) -> PreparedRequest:
         """``prepared`` serving the mix that ``req.adapters`` names: registered only once the rest of the request has
@@ -130,14 +134,6 @@ class RequestBuilder:
         if req.adapters is None:
             return prepared
         return dataclasses.replace(prepared, adapter=self.mix_for(req.model, req.adapters))
-
-    def _named_adapter(self, model: str) -> str | None:
-        if model == self.base_name:
-            return None
-        if not self.engine.has_adapter(model):  # thread-safe; add_request checks again
-            raise APIError(404, f"the model {model!r} does not exist (neither the base model {self.base_name!r} "
-                           f"nor a loaded adapter)", "model")
-        return model
 
     def mix_for(self, model: str, parts: dict[str, float]) -> str:
         """The adapter serving the mix ``parts`` (registered on first use); ``model`` must be the base model or one
@@ -174,7 +170,7 @@ class RequestBuilder:
 
     def build_completion(self, req: CompletionRequest, tenant: str | None = None) -> PreparedRequest:
         req.check_supported()
-        adapter = None if req.adapters is not None else self._named_adapter(req.model)
+        adapter = self.adapter_for(req)
         prompt = req.single_prompt()
         prompt_ids = self.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         prepared = self._prepared("completion", req, adapter, prompt_ids, COMPLETION_DEFAULT_MAX_TOKENS, tenant)
@@ -187,7 +183,7 @@ class RequestBuilder:
 
     def build_chat(self, req: ChatCompletionRequest, tenant: str | None = None) -> PreparedRequest:
         req.check_supported()
-        adapter = None if req.adapters is not None else self._named_adapter(req.model)
+        adapter = self.adapter_for(req)
         if not self.has_tokenizer:
             raise APIError(400, "this server has no tokenizer, so chat is unavailable; use /v1/completions with "
                            "token ids")
