@@ -186,6 +186,67 @@ def test_grammars_nested_too_deep_are_refused_before_compiling(compiler, spec):
         compiler.compile(spec)
 
 
+_UNCHECKED_DEEP_COMPILE = """
+import pathlib, sys, tempfile
+from slora_jax.engine import grammar as G
+G.check_schema_depth = G.check_grammar_depth = lambda _: None  # a form the depth check would miss
+from slora_jax.tools.tokenizer import load_tokenizer, write_tokenizer
+from tests.test_grammar import EOS, VOCAB, _ref_chain, _rule_chain
+tok = load_tokenizer(write_tokenizer(pathlib.Path(tempfile.mkdtemp()), VOCAB))
+compiler = G.GrammarCompiler(tok, VOCAB, (EOS,))
+compiler.compile(G.GrammarSpec("json_schema", _ref_chain(1000)))
+compiler.compile(G.GrammarSpec("grammar", _rule_chain(int(sys.argv[1]))))
+print("compiled", compiler.compiles)
+"""
+
+
+def test_a_grammar_past_the_depth_check_compiles_on_a_deep_stack_instead_of_killing_the_server(tmp_path):
+    """The backstop: with the depth check switched off, the chains that overflowed an 8 MiB stack (SIGSEGV of the
+    whole server) compile on the compiling thread's deep stack. Run in a child process, so a crash fails the test
+    and not the suite."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "deep.py"
+    script.write_text(_UNCHECKED_DEEP_COMPILE)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, str(script), "20000"], cwd=root, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "compiled 2" in done.stdout
+
+
+def test_deep_stack_runs_inline_when_no_thread_can_start(compiler, monkeypatch):
+    """The deep-stack thread is a backstop, not a requirement: if it cannot start, the compile runs in the calling
+    thread (the depth check still guards it), errors keep their type and message, and the process-wide default
+    stack size is left as it was."""
+    import threading
+
+    from slora_jax.engine import grammar as grammar_module
+
+    before = threading.stack_size()
+    names = []
+    real = grammar_module.GrammarCompiler._compile
+
+    def spy(self, *args):
+        names.append(threading.current_thread().name)
+        return real(self, *args)
+
+    monkeypatch.setattr(grammar_module.GrammarCompiler, "_compile", spy)
+    compiler.compile(GrammarSpec("regex", "ab+"))
+    with pytest.raises(GrammarError, match="cannot compile the regex"):
+        compiler.compile(GrammarSpec("regex", "a("))
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    compiler.compile(GrammarSpec("regex", "ab+"))
+    assert names == ["slora-grammar-compile", "slora-grammar-compile", threading.current_thread().name]
+    assert threading.stack_size() == before
+
+
 def test_deep_but_allowed_and_recursive_grammars_compile(compiler):
     """Depth counts chains, not size or recursion: a schema that refers to itself, a grammar whose rule names its
     own, a wide grammar, and chains just under the bound all compile."""

@@ -32,6 +32,8 @@ JSON_DEFAULTS = {"whitespace_flexible": False}
 # ~100 ms of the engine thread, is refused when it is compiled; a 40-property schema with patterns uses far less.
 LIMITS = dict(initial_lexer_fuel=300_000, step_lexer_fuel=200_000, step_max_items=50_000, max_grammar_size=200_000,
               verbose_errors=False)
+DEEP_STACK_BYTES = 512 << 20  # the compiling thread's stack (see on_deep_stack)
+_STACK_SIZE_LOCK = threading.Lock()
 MAX_CHOICES = 2000  # llguidance's alternatives per grammar row (max_items_in_row): refused at once beyond it
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
@@ -134,8 +136,13 @@ class GrammarCompiler:
 
         if self.tokenizer is None:
             raise GrammarError("structured output needs the model's tokenizer; this server has none")
-        what = spec.kind.replace("_", " ")
         tok = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        out = on_deep_stack(self._compile, llguidance, tok, spec, first_mask)
+        self.compiles += 1
+        return out
+
+    def _compile(self, llguidance, tok, spec: GrammarSpec, first_mask: bool) -> GrammarMatcher:
+        what = spec.kind.replace("_", " ")
         try:
             grammar = spec.llguidance_grammar()
             matcher = llguidance.LLMatcher(tok, grammar, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
@@ -150,8 +157,42 @@ class GrammarCompiler:
             out.mask()
             if out.error is not None:
                 raise GrammarError(f"cannot compile the {what}: {out.error}")
-        self.compiles += 1
         return out
+
+
+def on_deep_stack(fn, *args):
+    """``fn(*args)`` on a fresh thread with a :data:`DEEP_STACK_BYTES` stack; its result, or its exception raised.
+
+    Why: the depth check (``grammar_depth``) refuses the nesting we know llguidance's compiler recurses on, but it
+    is our own parse of llguidance's languages; a form it misses would overflow a normal 8 MiB thread stack and
+    kill the server. On this stack the compiler survives any grammar its symbol limit lets through (measured: 64k
+    chained Lark rules, 1000 chained $refs). The stack is reserved address space, touched only as deep as used.
+    Falls back to the calling thread if no such thread can be started."""
+    result: list = []
+
+    def run():
+        try:
+            result.append((True, fn(*args)))
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller as it was raised
+            result.append((False, e))
+
+    with _STACK_SIZE_LOCK:  # threading.stack_size is process-wide: set it only while this thread starts
+        old = threading.stack_size()
+        try:
+            threading.stack_size(DEEP_STACK_BYTES)
+            thread = threading.Thread(target=run, name="slora-grammar-compile", daemon=True)
+            thread.start()
+        except (RuntimeError, ValueError, MemoryError):
+            thread = None
+        finally:
+            threading.stack_size(old)
+    if thread is None:
+        return fn(*args)
+    thread.join()
+    ok, value = result[0]
+    if ok:
+        return value
+    raise value
 
 
 def _first_lines(message: str, n: int = 6) -> str:

@@ -8,7 +8,8 @@ levels; anything past :data:`MAX_DEPTH` is refused with a clear error instead.
 Depth here: for a JSON schema, nested objects and arrays plus one level per local ``$ref`` followed; for Lark or
 GBNF text, the longest chain of rules each naming the next, and each schema inlined with llguidance's ``%json``.
 A reference back into a rule or schema already on the chain (recursion, which the grammar may use freely) adds
-nothing.
+nothing. This check is the first guard; the second is the deep stack every compile runs on
+(``grammar.on_deep_stack``), for nesting this parse does not see.
 """
 
 from __future__ import annotations
