@@ -205,6 +205,7 @@ CASES = [
     Case("layers-dict", config(layers_to_transform={"0": 1}), "layers_to_transform"),
     Case("layers-with-regex-target", config(target_modules=".*q_proj", layers_to_transform=[0]), "string"),
     Case("layers-pattern-int", config(layers_to_transform=[0, 1], layers_pattern=5), "layers_pattern"),
+    Case("layers-pattern-zero", config(layers_to_transform=[0, 1], layers_pattern=0), "layers_pattern"),
     Case("layers-pattern-bad-regex", config(layers_to_transform=[0, 1], layers_pattern="("), "layers_pattern"),
     Case("layers-pattern-alone", config(layers_pattern="layers"), "needs layers_to_transform"),
     # ---- rank_pattern, alpha_pattern
@@ -234,6 +235,7 @@ CASES = [
     Case("lora-bias", config(lora_bias=True), "lora_bias"),
     Case("modules-to-save", config(modules_to_save=["lm_head"]), "modules_to_save"),
     Case("modules-to-save-string", config(modules_to_save="lm_head"), "modules_to_save"),
+    Case("modules-to-save-zero", config(modules_to_save=0), "modules_to_save"),  # 0 == False: it passed
     Case("dropout-string", config(lora_dropout="0.1"), "lora_dropout"),
     Case("dropout-above-one", config(lora_dropout=2.0), "lora_dropout"),
     Case("trainable-tokens", config(trainable_token_indices=[1, 2]), "trainable_token_indices"),

@@ -122,7 +122,8 @@ def _check_flags(cfg: dict, name: str) -> None:
         if cfg.get(key) is not None and not isinstance(cfg[key], str):
             raise AdapterError(name, f"{key} is {_show(cfg[key])}; it must be a string")
     for key, what in _UNSUPPORTED_FEATURES.items():
-        if cfg.get(key) not in (None, False, [], {}, ""):
+        value = cfg.get(key)  # absent: null, false or empty (0 == False in Python, but 0 is not absent)
+        if not (value is None or value is False or (isinstance(value, list | dict | str) and not value)):
             raise AdapterError(name, f"{what} is not supported" if key != "modules_to_save"
                                else f"modules_to_save {_show(cfg[key])} is not supported")
     if cfg.get("bias", "none") not in ("none", None):
@@ -204,7 +205,7 @@ class _Targets:
 
         if isinstance(pattern, str):
             pattern = [pattern] if pattern else []
-        elif pattern:
+        elif pattern not in (None, []):  # 0 or false is malformed, not absent
             pattern = _string_list(name, "layers_pattern", pattern, 64)
         self.layer_patterns = [layers_pattern_regex(name, p) for p in pattern or []]
 
