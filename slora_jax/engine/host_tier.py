@@ -61,13 +61,13 @@ class HostTier:
         self._errors = Failures()  # name -> AdapterError (those that may pass expire)
         self._host: OrderedDict[str, AdapterRows] = OrderedDict()  # least recently used first
         self._host_sizes: dict[str, int] = {}
-        self._host_bytes = 0
+        self._host_bytes, self._closed = 0, False
+        self._not_kept: set[str] = set()  # read once, and too large for host memory (or none may be kept)
         self._loads: dict[str, HostLoad] = {}
         self._counts: Counter[str] = Counter()
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="adapter-io")
         self._reader = adapter_reader(read_processes)  # PEFT dirs in worker processes, if any (IO threads wait)
         self._staging = DeviceStaging(pool, self._lock, self._executor, self.max_staged)
-        self._closed = False
         self.on_read: Callable[[str, float], None] | None = None  # (name, seconds) of each read: see _tell_read
 
     # ---- registry ---------------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ class HostTier:
             if self._entries.get(name) is entry:
                 self._entries[name] = fresh
                 self._errors.pop(name, None)
-                self._staging.drop_locked(name)
+                self._drop_host(name)  # its rows too: the next use reads the fixed files
 
     def names(self) -> list[str]:
         with self._lock:
@@ -175,10 +175,9 @@ class HostTier:
     def usable_pages(self, name: str) -> int:
         """Pool pages of an adapter that may be loaded; raises its :class:`AdapterError` if it is unknown or failed."""
         with self._lock:
-            entry = self._entries.get(name)
-            if entry is None:
-                raise AdapterError(name, "is not registered")
-            error = self._errors.get(name)
+            entry, error = self._entries.get(name), self._errors.get(name)
+        if entry is None:
+            raise AdapterError(name, "is not registered")
         if error is not None:
             raise error
         return entry.pages
@@ -219,10 +218,11 @@ class HostTier:
 
     def ready_without_wait(self, name: str) -> bool:
         """Whether a pool load of ``name`` would not wait for a read or a staging copy (True too for unknown and
-        failed adapters: their load fails at once); if it would, that read (then staging) or copy starts here."""
+        failed adapters, whose load fails at once, and for those host memory cannot keep, whose load must read them
+        itself); if it would, that read (then staging) or copy starts here."""
         with self._lock:
             entry = self._entries.get(name)
-            if entry is None or name in self._errors:
+            if entry is None or name in self._errors or name in self._not_kept:  # not_kept: its load reads it
                 return True
             rows = self._host.get(name)
             if rows is not None and self._staging.ready_locked(entry, name, rows):
@@ -480,6 +480,7 @@ class HostTier:
             return
         if size > self.host_budget_bytes or self.max_host_adapters == 0:
             self._counts["host_too_large"] += 1
+            self._not_kept.add(name)
             return
         self._drop_host(name, keep_staged=True)  # the caller settles this name's staging
         self._host[name], self._host_sizes[name] = rows, size
@@ -496,3 +497,4 @@ class HostTier:
             self._host_bytes -= self._host_sizes.pop(name)
         if not keep_staged:
             self._staging.drop_locked(name)
+            self._not_kept.discard(name)

@@ -214,7 +214,9 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         batch: list[Sequence] = []
         try:
-            self._choose(batch)
+            self._choose(batch, wait_for_reads=False)
+            if not batch and not self.running:  # nothing else can run: wait for the first adapter's read
+                self._choose(batch, wait_for_reads=True)
         except BaseException:  # a device error mid-admission: those taken so far give back their pages and pins
             for seq in batch:
                 self.free(seq)
@@ -232,8 +234,10 @@ class Scheduler:
         batch.sort(key=lambda s: s.adapter_slot)
         return batch
 
-    def _choose(self, batch: list[Sequence]) -> None:
-        """Append to ``batch`` the waiting sequences this prefill takes, each with its KV pages and adapter pin."""
+    def _choose(self, batch: list[Sequence], wait_for_reads: bool) -> None:
+        """Append to ``batch`` the waiting sequences this prefill takes, each with its KV pages and adapter pin.
+        With ``admit_while_loading``, one whose adapter is still being read is passed over, unless
+        ``wait_for_reads`` and it would be the batch's first (then admission waits for its read)."""
         ecfg, page = self.ecfg, self.ecfg.page_size
         tokens, forks, passed = 0, set(), 0
         for seq in self.policy.order(self.waiting):
@@ -246,7 +250,7 @@ class Scheduler:
             if seq.fork is not None and not seq.fork.prefilled and seq.fork in forks:
                 continue  # a sample of a request waits for its sibling's prefill, then shares its prompt pages
             adapter = seq.adapter
-            if (ecfg.admit_while_loading and adapter is not None and (self.running or batch)
+            if (ecfg.admit_while_loading and adapter is not None and (not wait_for_reads or self.running or batch)
                     and not self.store.is_resident(adapter) and not self.store.host.ready_without_wait(adapter)):
                 passed += 1  # its adapter loads meanwhile; it keeps its place in the queue
                 if passed >= ecfg.adapter_lookahead:
