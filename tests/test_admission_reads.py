@@ -1,5 +1,6 @@
 """Admission around adapter reads (``admit_while_loading``): a request whose adapter host memory cannot keep is not
-starved, and a slow read at the head of the queue does not hold up a request behind it when nothing runs.
+starved, and a slow read at the head of the queue does not hold up a request behind it when nothing runs. And what
+admission counts: only the prefix-cache matches of sequences it admits.
 
 Pool, store and scheduler only (no model): tokens are fed by hand, as the engine would after each step."""
 
@@ -24,13 +25,13 @@ from slora_jax.engine.sequence import Sequence, Status
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def _scheduler(cfg, host_budget_bytes=1 << 30, max_host_adapters=None, max_model_len=200):
-    pool = PagedPool(cfg, page_size=4, max_slots=3, max_rank=16, num_pages=128, dtype=jnp.float32)
+def _scheduler(cfg, host_budget_bytes=1 << 30, max_host_adapters=None, max_model_len=200, num_pages=128, **kw):
+    pool = PagedPool(cfg, page_size=4, max_slots=3, max_rank=16, num_pages=num_pages, dtype=jnp.float32)
     store = AdapterStore(cfg, pool, host_budget_bytes=host_budget_bytes, max_rank=16, dtype=np.float32,
                          max_host_adapters=max_host_adapters)
     ecfg = EngineConfig(max_batch_size=8, max_prefill_tokens=64, max_prefill_seqs=4, max_model_len=max_model_len,
-                        page_size=4, max_lora_rank=16, max_loras=3, num_pages=128, dtype="float32",
-                        backend="reference", admit_while_loading=True)
+                        page_size=4, max_lora_rank=16, max_loras=3, num_pages=num_pages, dtype="float32",
+                        backend="reference", admit_while_loading=True, **kw)
     return store, Scheduler(ecfg, pool, store)
 
 
@@ -114,4 +115,35 @@ def test_a_slow_read_at_the_head_does_not_hold_up_the_request_behind_it(tiny_cfg
     finally:
         safety.cancel()
         gate.set()
+        store.close()
+
+
+def test_prefix_cache_counts_only_the_matches_of_admitted_sequences(tiny_cfg):
+    """A request that matches cached pages but waits for room (its admission undone every step) counts nothing
+    until it is admitted; then its pages count once (was: every attempt counted its hits and misses)."""
+    rng = np.random.default_rng()
+    store, sch = _scheduler(tiny_cfg, num_pages=16, max_model_len=48, prefix_cache=True)
+    try:
+        prefix = rng.integers(3, 60, size=12).tolist()  # three full pages
+        first = Sequence(prompt_ids=prefix + [5], adapter=None, sampling=SamplingParams(max_tokens=1))
+        sch.add(first)
+        _step(sch)
+        assert first.status == Status.FINISHED and sch.prefix_cache.num_pages == 3
+        hog = Sequence(prompt_ids=rng.integers(3, 60, size=40).tolist(), adapter=None,
+                       sampling=SamplingParams(max_tokens=8))
+        sch.add(hog)
+        _step(sch)
+        base = dict(sch.prefix_cache.stats())
+        late = Sequence(prompt_ids=prefix + [6], adapter=None, sampling=SamplingParams(max_tokens=20))
+        sch.add(late)
+        for _ in range(4):
+            _step(sch)
+            assert late.status == Status.WAITING  # no room while the hog runs
+        stats = sch.prefix_cache.stats()
+        assert (stats["hit_pages"], stats["miss_pages"]) == (base["hit_pages"], base["miss_pages"])
+        while late.status == Status.WAITING:
+            _step(sch)
+        stats = sch.prefix_cache.stats()
+        assert stats["hit_pages"] - base["hit_pages"] == 3 and stats["miss_pages"] == base["miss_pages"]
+    finally:
         store.close()

@@ -61,15 +61,21 @@ class PrefixCache:
 
     def match(self, adapter: str | None, prompt_ids: list[int]) -> list[int]:
         """Take references on the longest cached prefix of ``prompt_ids``'s full pages (leaving at least one token
-        to compute); returns their page ids, in order. Release them with :meth:`release`."""
-        n_pages = (len(prompt_ids) - 1) // self.page_size
-        hits = list(self._keys(adapter, prompt_ids, n_pages))
+        to compute); returns their page ids, in order. Release them with :meth:`release`; once the sequence is
+        admitted, :meth:`count` the match (an admission that is undone counts nothing)."""
+        hits = list(self._keys(adapter, prompt_ids, self._matchable(prompt_ids)))
         for entry in reversed(hits):  # the chain's end becomes least recent: leaves are evicted before parents
             entry.refs += 1
             self._unused.pop(entry.uid, None)
-        self.counts["hit_pages"] += len(hits)
-        self.counts["miss_pages"] += n_pages - len(hits)
         return [e.page for e in hits]
+
+    def count(self, prompt_ids: list[int], n_hit: int) -> None:
+        """Count an admitted sequence's match: ``n_hit`` pages shared, the rest of its matchable pages missed."""
+        self.counts["hit_pages"] += n_hit
+        self.counts["miss_pages"] += self._matchable(prompt_ids) - n_hit
+
+    def _matchable(self, prompt_ids: list[int]) -> int:
+        return (len(prompt_ids) - 1) // self.page_size
 
     def release(self, pages: list[int]) -> None:
         """Drop one reference on each page (a sequence finished, was aborted or preempted)."""

@@ -290,6 +290,8 @@ class Scheduler:
             seq.shared_pages, seq.num_cached = len(shared), len(shared) * page  # prefill computes from there
             seq.adapter_slot = slot
             batch.append(seq)
+            if cache is not None:
+                cache.count(seq.prompt_ids, len(shared))
             tokens += n
             forks.add(seq.fork)
 
