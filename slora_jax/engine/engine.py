@@ -168,7 +168,7 @@ class Engine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             seq.request_id = request_id
         if self.tokenizer is not None and sampling.stop and watch_stop_strings:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, sampling.stop)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, sampling.stop, seq.prompt_ids, sampling.min_tokens)
         seq.seed = sampling.seed if sampling.seed is not None else int(np.random.default_rng().integers(2**31))
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)

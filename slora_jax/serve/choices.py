@@ -33,9 +33,13 @@ class BackendDecoder:
 
 
 class Choice:
-    def __init__(self, index: int, request_id: str, tokenizer, stop: tuple[str, ...]):
+    def __init__(self, index: int, request_id: str, tokenizer, stop: tuple[str, ...] = (), prompt_ids=(),
+                 min_tokens: int = 0, end_ids: frozenset[int] = frozenset()):
+        """``end_ids``: the ids whose text is left out when they end the choice (its stop_token_ids, and EOS unless
+        it ignores EOS), as vLLM does and the engine's own detokenizer (never fed them) does."""
         self.index, self.request_id = index, request_id  # its place in the answer; its engine request id
-        self.detok = IncrementalDetokenizer(tokenizer, stop)
+        self.detok = IncrementalDetokenizer(tokenizer, stop, prompt_ids, min_tokens)
+        self.end_ids = end_ids
         self.done = False  # its answer is complete: the engine ended it, or a stop string matched
         self.ended = False  # the engine sent its last output (else it is aborted when the answer ends)
         self.finish_reason: str | None = None
@@ -61,7 +65,12 @@ class Choice:
         here: the engine does not watch stop strings, so the caller must abort its engine request)."""
         self.ended |= out.finished
         self.cumulative_logprob += sum(lp.logprob for lp in out.logprobs or ())
-        self.detok.add(out.new_token_ids, final=out.finished)
+        ids = out.new_token_ids
+        if out.finished and out.finish_reason == "stop" and ids and ids[-1] in self.end_ids:  # counted, not decoded
+            self.detok.add(ids[:-1], final=True)
+            self.detok.ids.append(ids[-1])
+        else:
+            self.detok.add(ids, final=out.finished)
         reason = out.finish_reason if out.finished else None
         stopped = self.detok.stopped and reason != "stop"
         if stopped:

@@ -80,16 +80,19 @@ class Generation:
 
     def __init__(self, prepared: PreparedRequest, rid: str, stream: RequestStream, engine_thread: EngineHandle,
                  metrics: ServerMetrics, arrival: float, tokenizer, adapter_label: str | None = None,
-                 token_texts: TokenTexts | None = None):
+                 token_texts: TokenTexts | None = None, eos_ids: tuple[int, ...] = ()):
+        """``eos_ids``: the model's EOS ids (their text is left out when one ends a choice)."""
         self.req, self.rid, self.stream = prepared, rid, stream
         self.adapter_label = adapter_label  # its label in the per-adapter series (None: the base model)
         # labels never move (metrics.AdapterLabels), so the series is looked up once, not once per token
         self._adapter_tokens = None if adapter_label is None else metrics.adapter_tokens.labels(adapter_label)
         self.engine_thread, self.metrics, self.arrival = engine_thread, metrics, arrival
-        self.choices = [Choice(i, sid, tokenizer, prepared.sampling.stop)
+        sp = prepared.sampling
+        # decoded after the prompt's last ids (a SentencePiece decoder keeps the answer's leading space then)
+        end_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(eos_ids))
+        self.choices = [Choice(i, sid, tokenizer, sp.stop, prepared.prompt_ids, sp.min_tokens, end_ids)
                         for i, sid in enumerate(sample_ids(rid, prepared.n))]
         self._by_request = {c.request_id: c for c in self.choices}
-        sp = prepared.sampling
         asked = (sp.logprobs is not None and not prepared.rank_logprobs_only) or sp.prompt_logprobs is not None
         texts = token_texts or TokenTexts(tokenizer)
         # per choice index, when logprobs were asked for; and the choices whose echoed prompt is still to stream
@@ -276,6 +279,8 @@ class GenerationRunner:
         self.engine_thread, self.metrics = engine_thread, metrics
         self.tokenizer = BackendDecoder.wrap(tokenizer)  # what the choices decode with: once per token
         self.token_texts = TokenTexts(tokenizer)  # token id -> text, for logprobs
+        cfg = getattr(getattr(engine_thread, "engine", None), "cfg", None)
+        self.eos_ids = tuple(cfg.eos_token_id) if cfg is not None else ()
 
     async def start(self, prepared: PreparedRequest, arrival: float) -> Generation:
         """Queue the request in the engine; the engine's refusals become API errors naming the field to blame."""
@@ -303,7 +308,7 @@ class GenerationRunner:
         if label is not None:
             self.metrics.adapter_requests.labels(label).inc()
         return Generation(prepared, rid, stream, self.engine_thread, self.metrics, arrival, self.tokenizer, label,
-                          self.token_texts)
+                          self.token_texts, self.eos_ids)
 
     async def respond(self, prepared: PreparedRequest, arrival: float, request: Request) -> Response:
         gen = await self.start(prepared, arrival)

@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API (vLLM's field names and extensions).
 
-Only what we can serve exactly is accepted: a field we do not implement (``suffix``, ``tools``) is rejected with a
-400 that names it rather than silently ignored, so a client never gets a subtly different answer. Unknown extra
-fields are ignored, as OpenAI clients send several optional ones.
+Only what we can serve exactly is accepted: a field we do not implement (``suffix``, ``tools``, vLLM's ``min_p`` or
+``include_stop_str_in_output``: :data:`VLLM_UNIMPLEMENTED`) is rejected with a 400 that names it rather than silently
+ignored, so a client never gets a subtly different answer. Unknown extra fields are ignored, as OpenAI clients send
+several optional ones.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import math
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
@@ -77,8 +78,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# vLLM's sampling extensions that we do not implement, each with vLLM's default (what we do anyway): set to anything
+# else they are refused with a 400 naming them, where silently ignoring them would answer a different request.
+VLLM_UNIMPLEMENTED: dict[str, Any] = {
+    "use_beam_search": False, "length_penalty": 1.0, "min_p": 0.0, "include_stop_str_in_output": False,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "prompt_logprobs": None,
+    "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": [], "logits_processors": None,
+    "return_tokens_as_token_ids": False,
+}
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept to look for VLLM_UNIMPLEMENTED fields; others are ignored
+    vllm_unimplemented: ClassVar[dict[str, Any]] = VLLM_UNIMPLEMENTED
 
     model: str = Field(max_length=1024)
     max_tokens: int | None = None
@@ -112,6 +124,10 @@ class _Request(BaseModel):
     adapters: dict[str, StrictFloat] | None = None
 
     def check_supported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in self.vllm_unimplemented and value is not None and value != self.vllm_unimplemented[name]:
+                raise APIError(400, f"{name}={json.dumps(value)[:100]} is not supported (only vLLM's default, "
+                               f"{json.dumps(self.vllm_unimplemented[name])})", name)
         slo = self.first_token_slo_s
         if slo is not None and not (slo > 0 and math.isfinite(slo)):
             raise APIError(400, f"first_token_slo_s must be a positive finite number of seconds, got {slo!r}",
@@ -247,6 +263,9 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True  # vLLM extension
+    # vLLM's chat extensions that change the prompt or the answer's text, also unimplemented
+    vllm_unimplemented: ClassVar[dict[str, Any]] = {**VLLM_UNIMPLEMENTED, "echo": False,
+                                                    "continue_final_message": False}
 
     def check_supported(self) -> None:
         if self.max_completion_tokens is not None:

@@ -69,11 +69,47 @@ def build_tokenizer(vocab_size: int, text: str = TRAINING_TEXT):
     return tok
 
 
-def write_tokenizer(out: str | Path, vocab_size: int, model_max_length: int = 2048) -> Path:
-    """Write tokenizer.json, tokenizer_config.json (with a chat template) and special_tokens_map.json into ``out``."""
+def build_sentencepiece_style_tokenizer(vocab_size: int, text: str = TRAINING_TEXT):
+    """A Llama-2-style BPE of exactly ``vocab_size`` entries: "\u2581" for spaces, byte fallback (<0x00>.. at ids
+    3..258), and Llama-2's decoder, which strips the first token's leading space. Decoding output ids alone then
+    loses the space between prompt and answer, as with real Llama-2 and Mistral tokenizers (tests need that)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    base = len(SPECIAL_TOKENS) + len(byte_tokens)
+    if vocab_size <= base:
+        raise ValueError(f"a byte-fallback vocab needs more than {base} entries, got {vocab_size}")
+    metaspace = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trained = Tokenizer(models.BPE(unk_token=UNK))
+    trained.pre_tokenizer = metaspace
+    trained.train_from_iterator([text] * 4, trainer=trainers.BpeTrainer(vocab_size=vocab_size - base,
+                                                                       min_frequency=1, show_progress=False))
+    model = json.loads(trained.to_str())["model"]
+    pieces = sorted(model["vocab"], key=model["vocab"].get)[: vocab_size - base]
+    vocab = {t: i for i, t in enumerate([*SPECIAL_TOKENS, *byte_tokens, *pieces])}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    merges = [m for m in merges if m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=UNK, byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = metaspace
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])  # Llama-2's tokenizer.json decoder
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    if tok.get_vocab_size() < vocab_size:
+        tok.add_tokens([f"<extra_{i}>" for i in range(vocab_size - tok.get_vocab_size())])
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
+                                                       special_tokens=[(BOS, 1)])
+    return tok
+
+
+STYLES = {"byte-level": build_tokenizer, "sentencepiece": build_sentencepiece_style_tokenizer}
+
+
+def write_tokenizer(out: str | Path, vocab_size: int, model_max_length: int = 2048, style: str = "byte-level") -> Path:
+    """Write tokenizer.json, tokenizer_config.json (with a chat template) and special_tokens_map.json into ``out``;
+    ``style``: a key of :data:`STYLES`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(vocab_size).save(str(out / "tokenizer.json"))
+    STYLES[style](vocab_size).save(str(out / "tokenizer.json"))
     added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
                       "special": True} for i, t in enumerate(SPECIAL_TOKENS)}
     config = {
@@ -113,8 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m slora_jax.tools.tokenizer", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="model dir to write the tokenizer files into")
     p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--style", choices=sorted(STYLES), default="byte-level")
     args = p.parse_args(argv)
-    print(f"wrote {write_tokenizer(args.out, args.vocab_size)}")
+    print(f"wrote {write_tokenizer(args.out, args.vocab_size, style=args.style)}")
 
 
 if __name__ == "__main__":
