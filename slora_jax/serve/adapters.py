@@ -33,6 +33,13 @@ _PATH_ERRORS = {errno.ELOOP: "it contains a symlink loop", errno.ENAMETOOLONG: "
                 errno.EACCES: "the server may not read it"}
 
 
+def timed_out(what: str, timeout: float | None, param: str | None = "lora_name") -> APIError:
+    """504 for an admin call the engine did not answer in time (``admin_timeout_s``): it is still queued or running
+    there and may yet take effect, so say so rather than fail with a bare 500."""
+    return APIError(504, f"the engine did not {what} within {timeout} s (admin_timeout_s: it is busy); it may still "
+                    "do so: GET /v1/models and /v1/adapters show the outcome", param, "timeout_error")
+
+
 class AdapterAdmin:
     def __init__(self, engine, base_name: str, allowed_dirs: tuple[Path, ...] = ()):
         self.engine, self.base_name = engine, base_name
@@ -82,13 +89,17 @@ class AdapterAdmin:
             raise APIError(403, str(e), "lora_path") from None
         except AdapterError as e:  # one that may pass (a disk away): not registered, retry later
             raise APIError.of_adapter(e, 400, "lora_path") from None
+        except TimeoutError as e:  # before OSError, its base: the engine may still finish it
+            raise APIError(504, f"loading adapter {name!r} timed out ({e}); it may still finish: GET /v1/models "
+                           "lists it once it is loaded", "lora_name", "timeout_error") from None
         except OSError as e:
             raise APIError(400, f"adapter {name!r}: {e}", "lora_path") from None
         except ValueError as e:  # the name was taken meanwhile
             raise APIError(400, str(e), "lora_name") from None
 
     def check_unloadable(self, name: str, action: str = "unloaded") -> None:
-        """400 for the base model (it cannot be ``action``), 404 for a name that is not a loaded adapter."""
+        """400 for the base model (it cannot be ``action``), 404 for a name that is not a loaded adapter. May block
+        (a mix's name is asked of an engine process): call it off the event loop."""
         if name == self.base_name:
             raise APIError(400, f"the base model cannot be {action}", "lora_name")
         if not self.engine.has_adapter(name):
@@ -117,6 +128,8 @@ class AdapterAdmin:
         """Pin ``name`` resident through ``runner`` (the ``EngineHandle``: the engine thread does it); its state."""
         try:
             return await runner.pin_adapter(name, timeout)
+        except TimeoutError:
+            raise timed_out(f"pin adapter {name!r}", timeout) from None
         except KeyError:
             raise APIError(404, f"no adapter named {name!r} is loaded", "lora_name") from None
         except (AdapterError, NoRoom) as e:
@@ -126,6 +139,8 @@ class AdapterAdmin:
         """Drop one explicit pin through ``runner``; its state."""
         try:
             return await runner.unpin_adapter(name, timeout)
+        except TimeoutError:
+            raise timed_out(f"unpin adapter {name!r}", timeout) from None
         except KeyError:
             raise APIError(404, f"no adapter named {name!r} is loaded", "lora_name") from None
         except ValueError as e:
@@ -135,6 +150,8 @@ class AdapterAdmin:
         """Stop serving ``name`` through ``runner``."""
         try:
             await runner.unregister_adapter(name, timeout)
+        except TimeoutError:
+            raise timed_out(f"unload adapter {name!r}", timeout) from None
         except KeyError:
             raise APIError(404, f"no adapter named {name!r} is loaded", "lora_name") from None
         except (RuntimeError, ValueError) as e:  # e.g. still used by running requests

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from .adapters import AdapterAdmin
+from .adapters import AdapterAdmin, timed_out
 from .config import ServerConfig
 from .engine_thread import EngineHandle, EngineUnavailable
 from .errors import error_response, install_error_handlers
@@ -103,7 +103,7 @@ async def load_lora_adapter(req: LoadLoraRequest, ctx: Ctx):
 @routes.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(req: UnloadLoraRequest, ctx: Ctx):
     name = req.lora_name
-    ctx.adapters.check_unloadable(name)
+    await run_in_threadpool(ctx.adapters.check_unloadable, name)  # may ask the engine process: off the loop
     await ctx.adapters.unregister(ctx.engine_thread, name, ctx.config.admin_timeout_s)
     log.info("unloaded adapter %s", name)
     return {"object": "lora_adapter", "name": name, "status": "unloaded",
@@ -114,14 +114,17 @@ async def unload_lora_adapter(req: UnloadLoraRequest, ctx: Ctx):
 @routes.get("/v1/adapters")
 async def adapter_states(ctx: Ctx, tier: str | None = None):
     ctx.adapters.check_tier(tier)
-    data = await ctx.engine_thread.adapter_states(tier, ctx.config.admin_timeout_s)
+    try:
+        data = await ctx.engine_thread.adapter_states(tier, ctx.config.admin_timeout_s)
+    except TimeoutError:
+        raise timed_out("list adapters", ctx.config.admin_timeout_s, None) from None
     return {"object": "list", "data": data}
 
 
 @routes.post("/v1/adapters/pin")
 async def pin_adapter(req: PinLoraRequest, ctx: Ctx):
     name, timeout = req.lora_name, ctx.config.admin_timeout_s
-    ctx.adapters.check_unloadable(name, "pinned")
+    await run_in_threadpool(ctx.adapters.check_unloadable, name, "pinned")
     await run_in_threadpool(ctx.adapters.read, name, timeout)  # a disk read: off the loop and the engine thread
     state = await ctx.adapters.pin(ctx.engine_thread, name, timeout)
     log.info("pinned adapter %s (%d explicit pins)", name, state["explicit_pins"])
@@ -131,7 +134,7 @@ async def pin_adapter(req: PinLoraRequest, ctx: Ctx):
 @routes.post("/v1/adapters/unpin")
 async def unpin_adapter(req: PinLoraRequest, ctx: Ctx):
     name = req.lora_name
-    ctx.adapters.check_unloadable(name, "unpinned")
+    await run_in_threadpool(ctx.adapters.check_unloadable, name, "unpinned")
     state = await ctx.adapters.unpin(ctx.engine_thread, name, ctx.config.admin_timeout_s)
     log.info("unpinned adapter %s (%d explicit pins left)", name, state["explicit_pins"])
     return {"object": "lora_adapter", "status": "unpinned", **state}

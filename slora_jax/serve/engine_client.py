@@ -9,11 +9,15 @@ metrics' listeners.
 
 The engine's thread-safe surface is :class:`EngineProxy` (``client.engine``): adapter names are mirrored here (every
 registration and unregistration goes through this process), so ``has_adapter`` and ``adapter_names`` cost no round
-trip; mixes (they come and go in the child) and registrations are asked of the child.
+trip; mixes (they come and go in the child) and registrations are asked of the child. The mirror follows the
+engine's replies as they arrive (the receiver thread, before the caller wakes), not its callers: a caller that timed
+out must not leave a name the engine unregistered later (it was listed, refused on use, load and unload for good).
 
 If the child dies, every open request ends with an error naming how, ``alive`` and ``healthy`` turn false (the app
 answers 503 with the reason) and pending calls raise :class:`EngineUnavailable`. ``stop`` asks the child to stop,
-then terminates it if it does not; the child also exits by itself when this process's end of the pipe closes.
+then kills it if it does not (the child ignores SIGTERM while this process lives: a SIGTERM to the whole process group
+must not cut the drain short); the child also exits by itself when this process's end of the pipe closes, and is
+told to stop when this interpreter exits (multiprocessing would otherwise SIGTERM and wait for it forever).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.util
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..engine.forks import sample_ids
@@ -68,8 +74,7 @@ class EngineProxy:
         return list(self._names)
 
     def register_adapter(self, name: str, source, verify: bool = False) -> None:
-        self._client.ask("register_adapter", name, source, verify)
-        self._names[name] = None
+        self._client.ask("register_adapter", name, source, verify, on_reply=self._registered(name))
 
     def register_mix(self, parts: dict[str, float]) -> str:
         return self._client.ask("register_mix", dict(parts))
@@ -86,6 +91,20 @@ class EngineProxy:
 
     def forget(self, name: str) -> None:
         self._names.pop(name, None)
+
+    def _registered(self, name: str) -> Callable:
+        """The mirror's update on the engine's reply to registering ``name`` (however long it took)."""
+        def update(result, error) -> None:
+            if error is None:
+                self._names[name] = None
+        return update
+
+    def unregistered(self, name: str) -> Callable:
+        """The mirror's update on the engine's reply to unregistering ``name``: gone, or unknown there (KeyError)."""
+        def update(result, error) -> None:
+            if error is None or isinstance(error, KeyError):
+                self.forget(name)
+        return update
 
     def adapter_event(self, name: str, event: str, seconds: float | None) -> None:
         for listener in self._listeners:
@@ -108,6 +127,7 @@ class EngineClient(EngineHandle):
         self._streams: dict[str, RequestStream] = {}  # engine request id -> its stream
         self._accepts: dict[str, concurrent.futures.Future] = {}
         self._replies: dict[int, concurrent.futures.Future] = {}
+        self._on_reply: dict[int, Callable] = {}  # call id -> what its reply changes here, waited for or not
         self._ids = itertools.count()
         self.steps = self.step_failures = self.consecutive_failures = 0
         self.last_error: str | None = None
@@ -135,7 +155,11 @@ class EngineClient(EngineHandle):
             mine.close()
             _end(process, 5.0)
             raise
-        return cls(mine, process, facts, defer_hand_over)
+        client = cls(mine, process, facts, defer_hand_over)
+        # at exit, before multiprocessing SIGTERMs its daemon children and joins them without a timeout: the child
+        # ignores that SIGTERM while we live, so say stop first (a no-op after stop())
+        multiprocessing.util.Finalize(client, _say_stop, (mine, client._send_lock), exitpriority=10)
+        return client
 
     @staticmethod
     def _wait_ready(conn, process, timeout: float | None) -> dict:
@@ -196,6 +220,7 @@ class EngineClient(EngineHandle):
         except asyncio.CancelledError:
             for rid in ids:
                 self.abort(rid)
+                self._streams.pop(rid, None)  # nobody reads it now, and a refused request never sends an output
             raise
         except BaseException:
             for rid in ids:
@@ -218,27 +243,30 @@ class EngineClient(EngineHandle):
     async def engine_call(self, name: str, args: tuple = (), timeout: float | None = None) -> Any:
         if name not in ENGINE_CALLS:
             raise ValueError(f"{name!r} is not an engine call the server makes")
-        fut = self._request("call", name, args)
-        result = await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
-        if name == "unregister_adapter":
-            self.engine.forget(args[0])
-        return result
+        on_reply = self.engine.unregistered(args[0]) if name == "unregister_adapter" else None
+        fut = self._request("call", name, args, on_reply)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
 
-    def ask(self, name: str, *args, timeout: float | None = ASK_TIMEOUT_S) -> Any:
-        """A thread-safe engine query, answered by the engine process (blocks this thread)."""
-        fut = self._request("ask", name, args)
+    def ask(self, name: str, *args, timeout: float | None = ASK_TIMEOUT_S, on_reply: Callable | None = None) -> Any:
+        """A thread-safe engine query, answered by the engine process (blocks this thread). ``on_reply(result,
+        error)`` runs when the reply arrives, even after ``timeout``."""
+        fut = self._request("ask", name, args, on_reply)
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"the engine process did not answer {name} within {timeout} s") from None
 
-    def _request(self, kind: str, name: str, args: tuple) -> concurrent.futures.Future:
+    def _request(self, kind: str, name: str, args: tuple,
+                 on_reply: Callable | None = None) -> concurrent.futures.Future:
         if not self.alive:
             raise EngineUnavailable(self.fatal or "the engine is not running")
         cid = next(self._ids)
+        if on_reply is not None:
+            self._on_reply[cid] = on_reply
         fut = self._replies[cid] = concurrent.futures.Future()
         if self.fatal is not None:
             self._replies.pop(cid, None)
+            self._on_reply.pop(cid, None)
             raise EngineUnavailable(self.fatal)
         self._send((kind, cid, name, args))
         return fut
@@ -272,13 +300,24 @@ class EngineClient(EngineHandle):
                     if fatal is not None and self.fatal is None:
                         self.fatal = fatal
                 elif kind == "accepted":
-                    _settle(self._accepts.get(msg[1]), None, msg[2])
+                    _settle(self._accepts.get(msg[1]), None, _error(msg[2]))
                 elif kind == "reply":
-                    _settle(self._replies.pop(msg[1], None), msg[2], msg[3])
+                    self._replied(msg[1], msg[2], _error(msg[3]))
                 elif kind == "event":
                     self.engine.adapter_event(*msg[1:])
             post_by_loop(ready)
         self._gone()
+
+    def _replied(self, cid: int, result: Any, error: BaseException | None) -> None:
+        """A call's reply: first what it changes here (its caller may have timed out and cancelled its future),
+        then the caller's future."""
+        on_reply = self._on_reply.pop(cid, None)
+        if on_reply is not None:
+            try:
+                on_reply(result, error)
+            except Exception:
+                log.exception("handling the engine's reply failed")
+        _settle(self._replies.pop(cid, None), result, error)
 
     def _gone(self) -> None:
         """The pipe closed: end every open request and call with the reason, so nothing waits forever."""
@@ -297,6 +336,7 @@ class EngineClient(EngineHandle):
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 fut.set_exception(error)
         self._replies.clear()
+        self._on_reply.clear()
         post_by_loop([(stream, RequestOutput(rid, [], True, "error", error=reason))
                       for rid, stream in list(self._streams.items())])
         self._streams.clear()
@@ -317,23 +357,36 @@ class EngineClient(EngineHandle):
             self._conn.close()
 
 
-def _settle(fut: concurrent.futures.Future | None, result: Any, error) -> None:
+def _error(packed) -> BaseException | None:
+    return None if packed is None else unpack_error(packed)
+
+
+def _settle(fut: concurrent.futures.Future | None, result: Any, error: BaseException | None) -> None:
     if fut is None or fut.done():
         return
     with contextlib.suppress(concurrent.futures.InvalidStateError):
         if error is not None:
-            fut.set_exception(unpack_error(error))
+            fut.set_exception(error)
         else:
             fut.set_result(result)
 
 
+def _say_stop(conn, send_lock: threading.Lock) -> None:
+    """Tell the engine process to stop, if the pipe is still open (at interpreter exit)."""
+    if not send_lock.acquire(timeout=1.0):
+        return
+    try:
+        with contextlib.suppress(OSError, ValueError):
+            conn.send([("stop",)])
+    finally:
+        send_lock.release()
+
+
 def _end(process, timeout: float) -> None:
+    """Wait for the process; kill it if it hangs (SIGTERM would be ignored: it stops only on our word or SIGKILL)."""
     process.join(timeout)
     if process.is_alive():
-        log.warning("the engine process did not stop within %.0f s: terminating it", timeout)
-        process.terminate()
-        process.join(5.0)
-    if process.is_alive():
+        log.warning("the engine process did not stop within %.0f s: killing it", timeout)
         process.kill()
         process.join(5.0)
 

@@ -17,7 +17,9 @@ Structured output: a grammar matcher cannot cross processes, so the server sends
 compiled again here (the server compiled it once to answer 400 early).
 
 The process ends when the server says ``stop`` or its end of the pipe closes (the server exited or died): open
-requests are aborted, the last outputs sent, and the process exits, so it never outlives the server.
+requests are aborted, the last outputs sent, and the process exits, so it never outlives the server. Once serving,
+it ignores SIGTERM while the server lives (:func:`ignore_sigterm_while_parent_lives`): service managers signal the
+whole process group, and the server's drain needs the engine until it says ``stop`` (it kills a child that hangs).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import concurrent.futures
 import contextlib
 import copy
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -195,11 +198,28 @@ def facts(engine) -> dict:
     return {"cfg": engine.cfg, "ecfg": engine.ecfg, "adapters": list(engine.adapter_names()), "pid": os.getpid()}
 
 
+def ignore_sigterm_while_parent_lives(parent: int) -> None:
+    """SIGTERM does nothing while ``parent`` (the server) is still our parent: a SIGTERM to the process group
+    (systemd's KillMode=control-group, ``kill -TERM -PGID``, ``tini -g``) must not kill the engine under the server's
+    drain, which stops us itself. Once the server is gone (we were re-parented), SIGTERM kills as by default."""
+    def on_sigterm(signum, frame) -> None:
+        if os.getppid() == parent:
+            log.warning("engine process: SIGTERM ignored; the server (pid %d) drains, then stops this process "
+                        "(signal the server, or SIGKILL this process)", parent)
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def run(conn, factory, factory_args: tuple, defer_hand_over: bool = False, log_level: str = "INFO") -> None:
     """The engine process: ``factory(*factory_args)`` -> (engine, info for the server), then serve the pipe."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    spawner = multiprocessing.parent_process()  # the server's pid as it started us, even if it is gone already
+    parent = spawner.pid if spawner is not None else os.getppid()
     # a terminal's Ctrl-C reaches the whole process group: the server drains, then stops us. SIGTERM keeps its
-    # default (multiprocessing terminates a daemon child with it when the server exits abnormally)
+    # default during start-up (the server has nothing to drain yet and dies of it too)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine, info = factory(*factory_args)
@@ -217,6 +237,7 @@ def run(conn, factory, factory_args: tuple, defer_hand_over: bool = False, log_l
     if watch is not None:
         watch(lambda name, event, seconds: sender.put(("event", name, event, seconds)))
     sender.start()
+    ignore_sigterm_while_parent_lives(parent)  # from now on the server can drain, then stop us
     sender.put(("ready", {**facts(engine), "info": copy.copy(info)}))
     worker.start()
     asks = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="slora-engine-ask")

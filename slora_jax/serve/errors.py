@@ -49,6 +49,13 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(exc.status_code, str(exc.detail))
 
 
+async def _timed_out(_: Request, exc: TimeoutError) -> JSONResponse:
+    """A wait (on the engine, mostly) that no route turned into its own answer: the server gave up on it, which is
+    a 504, not an internal error."""
+    message = f"timed out: {exc}" if str(exc) else "timed out waiting for the engine"
+    return JSONResponse(error_body(504, message, None, "timeout_error"), status_code=504)
+
+
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error")
     return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
@@ -58,4 +65,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(TimeoutError, _timed_out)
     app.add_exception_handler(Exception, _unexpected)
