@@ -168,7 +168,13 @@ class EngineConfig:
             self, host_budget_bytes=resolve_host_budget(self.host_budget_bytes, available_bytes),
             adapter_read_processes=resolve_read_processes(self.adapter_read_processes, platform))
 
-    def validate(self) -> EngineConfig:
+    def validate(self, model_cfg=None) -> EngineConfig:
+        """Self, checked (and against ``model_cfg``, a ``ModelConfig``, if given); ValueError naming the field."""
+        window = getattr(model_cfg, "sliding_window", None)
+        if window is not None and self.max_model_len > window:  # our attention is fully causal
+            raise ValueError(f"max_model_len {self.max_model_len} is above the model's sliding_window ({window}): "
+                             f"attention here is fully causal, which computes what the model does only up to "
+                             f"{window} tokens; set max_model_len <= {window}")
         for name in ("max_batch_size", "max_prefill_tokens", "max_prefill_seqs", "max_model_len", "page_size",
                      "max_lora_rank", "max_loras", "tensor_parallel_size"):
             if getattr(self, name) < 1:

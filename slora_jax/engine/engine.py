@@ -74,7 +74,7 @@ class Engine:
                  interpret: bool | None = None):
         compile_counter.install()
         ecfg = ecfg.with_platform_defaults(jax.default_backend())
-        self.cfg, self.ecfg = cfg, ecfg.validate()
+        self.cfg, self.ecfg = cfg, ecfg.validate(cfg)
         self.layer_loop = resolve_layer_loop(ecfg.layer_loop, jax.default_backend())
         unrolled = isinstance(params["layers"], list | tuple)
         if self.layer_loop == "unroll" and not unrolled:

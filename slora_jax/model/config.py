@@ -44,6 +44,7 @@ class ModelConfig:
     bos_token_id: int | None = 1
     eos_token_id: tuple[int, ...] = (2,)
     name: str = "llama"
+    sliding_window: int | None = None  # Mistral's attention window (None: full causal attention, all we compute)
 
     @property
     def kv_width(self) -> int:
@@ -73,6 +74,12 @@ class ModelConfig:
             raise ValueError(f"unsupported model_type {model_type!r}: only llama and mistral are supported")
         if d.get("attention_bias") or d.get("mlp_bias"):
             raise ValueError("attention_bias / mlp_bias are not supported")
+        if d.get("hidden_act", "silu") not in ("silu", "swish"):  # the MLP computes SiLU(gate) * up
+            raise ValueError(f"hidden_act {d.get('hidden_act')!r} is not supported (only silu)")
+        # HF's MistralConfig windows attention at 4096 tokens when the key is absent; null means no window
+        window = d.get("sliding_window", 4096) if model_type == "mistral" else d.get("sliding_window")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
         heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
         rs = d.get("rope_scaling") or d.get("rope_parameters")
@@ -100,7 +107,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),  # HF's LlamaConfig / MistralConfig default
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -108,6 +115,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos,
             name=name,
+            sliding_window=window,
         )
 
     @classmethod

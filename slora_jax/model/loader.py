@@ -10,6 +10,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm import tqdm
 
+from .checkpoint_shapes import check_checkpoint_shapes
 from .config import MODULES, ModelConfig, module_key
 from .params import stack_layer_params
 
@@ -52,6 +53,7 @@ def load_params(model_dir: str | Path, dtype=jnp.bfloat16, progress: bool = True
 
 def params_from_hf(cfg: ModelConfig, hf: dict[str, np.ndarray], dtype, stacked: bool = True) -> dict:
     """Map HF names to our layout: kernels are [d_in, d_out]; q,k,v and gate,up fused."""
+    check_checkpoint_shapes(cfg, {name: x.shape for name, x in hf.items()})
 
     def take(name: str) -> np.ndarray:
         if name not in hf:
@@ -73,7 +75,7 @@ def params_from_hf(cfg: ModelConfig, hf: dict[str, np.ndarray], dtype, stacked: 
             "down_proj": {"kernel": w["down_proj"]},
         })
     embed = take("model.embed_tokens.weight")
-    if cfg.tie_word_embeddings or "lm_head.weight" not in hf:
+    if cfg.tie_word_embeddings:
         lm_head = embed.T
     else:
         lm_head = take("lm_head.weight").T

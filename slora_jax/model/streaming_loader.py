@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
+from .checkpoint_shapes import check_checkpoint_shapes
 from .config import MODULES, ModelConfig, module_key
 from .llama import init_params
 from .loader import shard_files
@@ -189,12 +190,12 @@ def _block(x: np.ndarray, axis: int, d: int, n: int) -> np.ndarray:
     return x[(slice(None),) * axis + (slice(d * size, (d + 1) * size),)] if n > 1 else x
 
 
-def _outer_params(cfg: ModelConfig, read: Callable[[str], np.ndarray], placer: _Placer, has_head: bool):
+def _outer_params(cfg: ModelConfig, read: Callable[[str], np.ndarray], placer: _Placer):
     """(embed, lm_head, final norm) on the devices, replicated; lm_head [hidden, vocab] (the embedding's transpose
-    when tied or absent)."""
+    when tied)."""
     embed_hf = read("model.embed_tokens.weight")
     embed = placer.place(None, embed_hf.shape, lambda d: embed_hf)
-    head_hf = embed_hf if cfg.tie_word_embeddings or not has_head else read("lm_head.weight")
+    head_hf = embed_hf if cfg.tie_word_embeddings else read("lm_head.weight")
     lm_head = placer.place_kernel(None, head_hf.shape[::-1], lambda d: [head_hf])  # replicated
     norm = read("model.norm.weight")
     return embed, lm_head, placer.place(None, norm.shape, lambda d: norm)
@@ -249,6 +250,7 @@ def stream_params(model_dir: str | Path, dtype=jnp.bfloat16, *, tp: TensorParall
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     entries = index_checkpoint(model_dir)
+    check_checkpoint_shapes(cfg, {name: e.shape for name, e in entries.items()})
     placer = _Placer(cfg, dtype, tp)
     total = sum(e.end - e.start for e in entries.values())
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {model_dir.name}", disable=not progress)
@@ -258,7 +260,7 @@ def stream_params(model_dir: str | Path, dtype=jnp.bfloat16, *, tp: TensorParall
         stack = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding),
                              param_shapes(cfg, dtype, tp, stacked=True)["layers"]) if stacked else None
         read.prefetch(layer_tensor_names(0))
-        embed, lm_head, norm = _outer_params(cfg, read, placer, has_head="lm_head.weight" in entries)
+        embed, lm_head, norm = _outer_params(cfg, read, placer)
         layers = []
         for i in range(cfg.num_hidden_layers):
             read.prefetch(layer_tensor_names(i + 1) if i + 1 < cfg.num_hidden_layers else [])

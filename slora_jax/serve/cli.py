@@ -397,7 +397,7 @@ def build_engine_parts(args: argparse.Namespace):
     lora_modules = parse_lora_modules(args.lora_modules)
 
     cfg = ModelConfig.from_model_dir(model_dir)
-    max_len = args.max_model_len or min(cfg.max_position_embeddings, 2048)
+    max_len = args.max_model_len or min(cfg.max_position_embeddings, 2048, cfg.sliding_window or 2048)
     # no --pool-gb / --num-pages: the engine sizes the pool from the memory free once the weights are loaded
     pool_bytes = None if args.num_pages else int(args.pool_gb * 2**30) if args.pool_gb else None
     batch = batch_size(args, on_gpu)
@@ -410,7 +410,7 @@ def build_engine_parts(args: argparse.Namespace):
         pool_bytes=pool_bytes, num_pages=args.num_pages, dtype=dtype, backend=backend, max_waiting=args.max_waiting,
         layer_loop=args.layer_loop, **scheduling_options(args),
         tensor_parallel_size=args.tensor_parallel_size, fully_sharded_loras=args.fully_sharded_loras,
-        decode_lora_variants=on_gpu)  # fewer launches matter on a GPU; on CPU they only triple decode compiles
+        decode_lora_variants=on_gpu).validate(cfg)  # before the weights load; decode variants: launches matter on GPUs
     # kernel tiles: the backend's defaults for this platform (pallas_kernels.backends.default_tiles)
     # The tokenizer loads in a thread beside the weights and the warm-up: nothing needs it before serving, and a
     # first load is seconds of transformers' import (8 of 8.5 s on the CPU box; NOTES, session 13).
