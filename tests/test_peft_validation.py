@@ -80,9 +80,18 @@ def test_rejects_embedding_weights_in_file(good, tiny_cfg):
     _rejects(good, tiny_cfg, "embeddings")
 
 
-def test_rejects_unknown_target_module(good, tiny_cfg):
-    _edit_config(good, target_modules=["q_proj", "w_pack"])
-    _rejects(good, tiny_cfg, "unknown target module")
+def test_target_names_a_llama_lacks_match_nothing_and_other_modules_are_refused(good, tiny_cfg):
+    """As PEFT: a generic target list's names that no Llama module has are ignored (was: the adapter was refused);
+    a Llama module that is not a projection is refused; tensors of a module the model lacks are refused."""
+    targets = json.loads((good / "adapter_config.json").read_text())["target_modules"]
+    _edit_config(good, target_modules=list(targets) + ["query_key_value", "dense"])
+    assert len(load_peft_adapter(good, tiny_cfg).modules) == 4 * tiny_cfg.num_hidden_layers
+    _edit_config(good, target_modules=["q_proj", "mlp"])
+    _rejects(good, tiny_cfg, "not a linear projection")
+    _edit_config(good, target_modules=list(targets) + ["w_pack"])
+    key = "base_model.model.model.layers.0.self_attn.w_pack.lora_A.weight"
+    _edit_tensors(good, lambda t: t.update({key: np.ones((8, tiny_cfg.hidden_size), np.float32)}))
+    _rejects(good, tiny_cfg, "unknown target module in tensor")
 
 
 def test_rejects_shape_mismatch(good, tiny_cfg):

@@ -27,6 +27,8 @@ __all__ = ["CONFIG_NAME", "MAX_CONFIG_BYTES", "max_pattern_entries", "parse_conf
 CONFIG_NAME = "adapter_config.json"
 MAX_CONFIG_BYTES = 1 << 20
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
+_NOT_LINEAR = ("model", "layers", "self_attn", "mlp", "input_layernorm", "post_attention_layernorm", "norm",
+               "rotary_emb", "act_fn")  # a Llama's other modules
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Features that change what the adapter computes; each must be absent, null, false or empty.
 _UNSUPPORTED_FEATURES = {
@@ -176,8 +178,11 @@ class _Targets:
                 if leaf in _UNSUPPORTED_TARGETS:
                     raise AdapterError(name, f"LoRA on {leaf} is not supported (only q,k,v,o,gate,up,down "
                                              "projections)")
-                if leaf not in MODULES and t != "all-linear":
-                    raise AdapterError(name, f"unknown target module {_show(t)} (supported: {', '.join(MODULES)})")
+                if leaf in _NOT_LINEAR:  # PEFT refuses these too: they are not nn.Linear modules of a Llama
+                    raise AdapterError(name, f"target module {_show(t)} is not a linear projection (supported: "
+                                             f"{', '.join(MODULES)})")
+                # any other name a Llama does not have matches nothing, as in PEFT (a generic list such as
+                # ["q_proj", "v_proj", "query_key_value", "dense"] adapts q and v); none matching is refused below
             self.all_linear = "all-linear" in target
         self.names = set() if self.all_linear or self.regex is not None else set(target)
 
