@@ -4,12 +4,19 @@ end)."""
 
 from __future__ import annotations
 
+import asyncio
+import random
+import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
 
 pytest.importorskip("ray.serve.request_router")
-from slora_jax.serve.ray_router import HOT, LOAD_SLACK, LOAD_WINDOW, AdapterAffinityRouter  # noqa: E402
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata  # noqa: E402
+from ray.serve._private.request_router.common import PendingRequest  # noqa: E402
+
+from slora_jax.serve.ray_router import COLD_SLACK, HOT, LOAD_SLACK, LOAD_WINDOW, AdapterAffinityRouter  # noqa: E402
 
 
 @dataclass
@@ -98,3 +105,68 @@ def test_choices_for_replicas_gone_since_do_not_count():
     assert ids(r.affinity_ranks([a, b], "x"))[0] == ["a"]  # 48 of 64 for "a", but only 48 seen here: no bound yet
     r.recent.extend([("a", "x")] * (LOAD_WINDOW // 4))  # the gone replica's choices age out
     assert ids(r.affinity_ranks([a, b], "x")) == [["b", "a"]]
+
+
+def test_a_replica_that_joined_late_takes_a_share_from_the_holder_of_every_adapter():
+    """A replica restarted (or started late) holds nothing while the other holds every adapter; with traffic spread
+    over many adapters none is hot, and holder-first ranking sent everything to the holder, the newcomer idling
+    until the holder was full. A holder over 1 + COLD_SLACK of its fair share spills cold adapters too, and holders
+    of equal queues are taken least loaded first, so the newcomer's share grows as it picks adapters up."""
+    names = [f"ad{i}" for i in range(200)]
+    old, new = FakeReplica("old", {"device": [], "host": names}), FakeReplica("new", {"device": [], "host": []})
+    r, rng = router(), random.Random(0)
+    served = Counter()
+    for i in range(1000):
+        name = rng.choice(names)
+        chosen = r.affinity_ranks([old, new], name)[0][0]  # equal (short) queues: Ray takes the first of rank 0
+
+        class Pending:
+            class metadata:
+                multiplexed_model_id = name
+
+        r.on_request_routed(Pending, chosen.replica_id, None)
+        if chosen is new and name not in new.routing_stats["host"]:  # its next report shows the adapter it read
+            new.routing_stats = {"device": [], "host": [*new.routing_stats["host"], name]}
+        served[chosen.replica_id] += i >= 800
+    share = served["old"] / 200
+    assert share <= 1 / (1 + 1) * (1 + COLD_SLACK), served  # within the bound: at most 1.5x a fair share
+
+
+def test_model_ids_of_routed_requests_are_not_kept_by_rays_router():
+    """Ray's router indexes pending requests by model id and drops an id's entry only when that id is routed again:
+    each made-up model name kept its routed request (args, so the request body) for good. Through Ray's own routing
+    path, 200 requests with distinct names leave nothing behind."""
+    dep = DeploymentID(name="replicas", app_name="app")
+
+    @dataclass(eq=False)
+    class Replica(FakeReplica):
+        max_ongoing_requests: int = 8
+
+        async def get_queue_len(self, deadline_s: float) -> int:
+            return 0
+
+    async def route_all() -> AdapterAffinityRouter:
+        r = AdapterAffinityRouter(dep, DeploymentHandleSource.REPLICA, use_replica_queue_len_cache=True)
+        r.initialize_state()
+        r.update_replicas([Replica(ReplicaID("a", dep)), Replica(ReplicaID("b", dep))])
+        for i in range(200):
+            meta = RequestMetadata(request_id=str(i), internal_request_id=uuid.uuid4().hex,
+                                   multiplexed_model_id=f"made-up-{i}")
+            pending = PendingRequest(args=[b"body" * 1000], kwargs={}, metadata=meta)
+            replica = await r._choose_replica_for_request(pending)  # what Ray's Router does per request
+            r.on_send_request(replica.replica_id)
+            r.on_request_routed(pending, replica.replica_id, None)
+        return r
+
+    r = asyncio.run(route_all())
+    assert len(r._pending_requests_by_model_id) == 0, len(r._pending_requests_by_model_id)
+    assert len(r.last_sent) == 200  # this router's own memory is bounded separately (MAX_REMEMBERED, memory_s)
+
+
+def test_holders_of_an_adapter_rank_least_loaded_first():
+    """Ray takes the first of equally short queues in a rank: among holders that is the one with less recent load,
+    not whichever Ray lists first (which took every tie before)."""
+    a, b = FakeReplica("a", {"device": ["x"]}), FakeReplica("b", {"device": ["x"]})
+    r = router()
+    window(r, ("a", "y", LOAD_WINDOW // 2 + 4), ("b", "z", LOAD_WINDOW // 2 - 4))  # a busier, within every bound
+    assert ids(r.affinity_ranks([a, b], "x"))[0] == ["b", "a"]

@@ -14,8 +14,10 @@ adapter goes to the shortest queue.
 
 Load is bounded before a replica is full: a holder that took more than ``1 + LOAD_SLACK`` times its fair share of
 this router's last ``LOAD_WINDOW`` choices drops out of the holder ranks for hot adapters (``HOT`` or more of those
-choices). Their requests fall to the last rank, every replica, where Ray takes the shortest queue; that rank is
-ordered by recent load, least first, which is the order Ray keeps among equally short queues. The replica that takes
+choices), and one over ``1 + COLD_SLACK`` times it for every adapter (a replica that joined late, after a restart or
+at start-up, holds nothing: with many cold adapters all held elsewhere it would idle until the holder is full).
+Their requests fall to the last rank, every replica, where Ray takes the shortest queue. Every rank is ordered by
+recent load, least first, which is the order Ray keeps among equally short queues. The replica that takes
 a hot adapter then holds it too: a hot adapter ends up on several replicas, moving the most load for one extra read;
 a cold one stays where it is (moving it would cost a read and move almost no load). Without the bound, power-law
 popularity pins the hottest adapter's share (a fifth of the traffic for 50 adapters) to wherever it first landed, and
@@ -39,6 +41,8 @@ MAX_REMEMBERED = 10_000  # adapters remembered before the stale ones are forgott
 LOAD_WINDOW = 64  # this router's last choices that count as a replica's recent load
 LOAD_SLACK = 0.25  # a holder may take this much over its fair share of the window before its adapters spill
 HOT = 4  # an adapter with this many of the window's choices is hot: it spills from an overloaded holder
+SWEEP_SLACK = 256  # model ids in Ray's pending index beyond twice the pending requests before it is swept
+COLD_SLACK = 0.5  # a holder this far over its fair share spills every adapter, hot or not
 
 
 class AdapterAffinityRouter(FIFOMixin, MultiplexMixin, RequestRouter):
@@ -59,13 +63,13 @@ class AdapterAffinityRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         return cached[1], cached[2]
 
     # ---------------------------------------------------------------- choosing
-    def overloaded(self, replicas: list[RunningReplica], counts: Counter) -> set:
-        """Ids of replicas that took more than (1 + LOAD_SLACK) times a fair share of the recent choices that went
-        to the replicas here now (choices for replicas gone since do not count), once there are a window's worth."""
+    def overloaded(self, replicas: list[RunningReplica], counts: Counter, slack: float = LOAD_SLACK) -> set:
+        """Ids of replicas that took more than (1 + slack) times a fair share of the recent choices that went to the
+        replicas here now (choices for replicas gone since do not count), once there are a window's worth."""
         seen = sum(counts[r.replica_id] for r in replicas)
         if seen < LOAD_WINDOW or len(replicas) < 2:
             return set()
-        cap = (1 + LOAD_SLACK) * seen / len(replicas)
+        cap = (1 + slack) * seen / len(replicas)
         return {r.replica_id for r in replicas if counts[r.replica_id] > cap}
 
     def affinity_ranks(self, replicas: list[RunningReplica], adapter: str) -> list[list[RunningReplica]]:
@@ -78,8 +82,8 @@ class AdapterAffinityRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         sent_to, sent_at = self.last_sent.get(adapter, (None, 0.0))
         recent = time.monotonic() - sent_at <= self.memory_s
         hot = sum(a == adapter for _, a in self.recent) >= HOT
-        busy = self.overloaded(replicas, counts) if hot else set()
-        for r in replicas:
+        busy = self.overloaded(replicas, counts, LOAD_SLACK if hot else COLD_SLACK)
+        for r in anyone:  # least loaded first in every rank: equal queues go to the less busy holder
             if r.replica_id in busy:
                 continue
             on_device, in_host = self.tiers(r)
@@ -120,6 +124,24 @@ class AdapterAffinityRouter(FIFOMixin, MultiplexMixin, RequestRouter):
             self.last_sent[adapter] = (replica_id, now)
             if len(self.last_sent) > MAX_REMEMBERED:  # names clients made up must not pile up
                 self.last_sent = {a: v for a, v in self.last_sent.items() if now - v[1] <= self.memory_s}
+            self.forget_routed(adapter)
+
+    def forget_routed(self, adapter: str) -> None:
+        """Drop routed requests from Ray's index of pending requests by model id. Ray (2.60) empties a model id's
+        entry only when that id is routed again, so every name a client sent once kept one routed request, its body
+        included (up to --max-body-bytes), in the ingress for good: random model names leaked memory without bound.
+        Requests cancelled while queued never reach here; a sweep drops those once the index outgrows the queue."""
+        index = getattr(self, "_pending_requests_by_model_id", None)
+        if index is None:
+            return
+        queue = index.get(adapter)
+        while queue and queue[0].future.done():
+            queue.popleft()
+        if queue is not None and not queue:
+            del index[adapter]
+        if len(index) > 2 * len(getattr(self, "_pending_requests_by_id", ())) + SWEEP_SLACK:
+            for name in [name for name, q in index.items() if all(p.future.done() for p in q)]:
+                del index[name]
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
