@@ -147,3 +147,36 @@ def test_prefix_cache_counts_only_the_matches_of_admitted_sequences(tiny_cfg):
         assert stats["hit_pages"] - base["hit_pages"] == 3 and stats["miss_pages"] == base["miss_pages"]
     finally:
         store.close()
+
+
+def test_a_request_whose_resident_adapter_would_leave_too_few_pages_waits_without_pinning_it(tiny_cfg):
+    """A resident adapter nobody pins counts as evictable room; pinning it for a request takes that room away.
+    Admission now counts that before it pins (was: it pinned the adapter, a store "hit", found too few pages and let
+    go, every step), and admits the request once the pages are there."""
+    rng = np.random.default_rng()
+    store, sch = _scheduler(tiny_cfg, num_pages=24, max_model_len=48)
+    try:
+        store.register("a0", random_adapter(tiny_cfg, rng, "a0", ranks=(4,), targets=QKVO))
+        warm = _seq(rng, "a0", 1)
+        sch.add(warm)
+        _step(sch)
+        assert warm.status == Status.FINISHED and store.is_resident("a0") and not store.pin_count("a0")
+        hog = Sequence(prompt_ids=rng.integers(3, 60, size=40).tolist(), adapter=None,
+                       sampling=SamplingParams(max_tokens=8))
+        sch.add(hog)
+        _step(sch)
+        _step(sch)  # its first decode takes one more page
+        late = Sequence(prompt_ids=rng.integers(3, 60, size=8).tolist(), adapter="a0",
+                        sampling=SamplingParams(max_tokens=20))
+        assert sch.worst_case_pages(late) <= sch.obtainable_pages()  # fits only if a0's pages could be evicted
+        assert sch.worst_case_pages(late) + store.adapter_pages("a0") > sch.obtainable_pages()
+        sch.add(late)
+        hits = store.stats()["hits"]
+        for _ in range(4):
+            _step(sch)
+            assert late.status == Status.WAITING and store.stats()["hits"] == hits
+        while late.status == Status.WAITING:
+            _step(sch)
+        assert store.stats()["hits"] == hits + 1 and late.status == Status.RUNNING
+    finally:
+        store.close()

@@ -261,7 +261,7 @@ class Scheduler:
             shared = cache.match(seq.adapter, seq.prompt_ids) if cache else []
             worst = self.worst_case_pages(seq) - len(shared)  # shared pages are counted once, by the cache
             adapter_pages = self.store.pages_needed_to_load(seq.adapter) if seq.adapter else 0
-            if worst + adapter_pages > self.obtainable_pages():
+            if worst + adapter_pages + self._pinning_takes(seq.adapter) > self.obtainable_pages():
                 self._unshare(seq, shared)
                 break
             # the store makes room for a load from free pages and unpinned adapters only: cached prefixes go first
@@ -294,6 +294,13 @@ class Scheduler:
                 cache.count(seq.prompt_ids, len(shared))
             tokens += n
             forks.add(seq.fork)
+
+    def _pinning_takes(self, adapter: str | None) -> int:
+        """Pages that pinning ``adapter`` takes out of :meth:`obtainable_pages`: a resident adapter no sequence
+        pins counts there as evictable (was: admission pinned it, found no room and let go, every step)."""
+        if adapter is None or not self.store.is_resident(adapter) or self.store.pin_count(adapter):
+            return 0
+        return self.store.adapter_pages(adapter)
 
     def _acquire(self, seq: Sequence) -> int | None:
         if seq.adapter is None:
