@@ -51,6 +51,9 @@ class FakeStore:
     def adapter_pages(self, name):
         return 0
 
+    def pin_count(self, name):
+        return self.pins[name]
+
     pages_needed_to_load = adapter_pages
 
     def evictable_pages(self):
