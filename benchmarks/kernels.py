@@ -448,16 +448,21 @@ TARGET_US = {1: 30, 16: 40, 64: 80, 256: 230}  # issue 14, rank 16 rows
 VARIANTS = {"split": FusedTuning(mode="split"), "fused": FusedTuning(mode="fused"),
             "t8k": FusedTuning(tile_elems=8192, num_warps=8), "t32k": FusedTuning(tile_elems=32768, num_warps=16),
             "t16k": FusedTuning(tile_elems=16384, num_warps=8),
-            "once": FusedTuning(reduce_once=True)}  # the plan's own choice, its shrink reducing over V once
+            "once": FusedTuning(reduce_once=True),  # the plan's own choice, its shrink reducing over V once
+            # the plan's own choice issuing 2 / 4 tiles' loads together (session 25)
+            "u2": FusedTuning(unroll=2), "u4": FusedTuning(unroll=4)}
 # forced plans timed as whole layers too: the per-group timings (session 6, 8) favour the split plans at batch 1-64,
 # where the cost model picks fused, but a group timed alone carries ~20 us of call overhead a layer loop does not
 # (since session 15 the plan itself is split_t8k up to 64 rows; "fused" keeps the cost model's former pick in view)
 LAYER_VARIANTS = {"fused": VARIANTS["fused"], "split": VARIANTS["split"],
                   "split_t8k": FusedTuning(mode="split", tile_elems=8192, num_warps=8),
                   "split_t4k": FusedTuning(mode="split", tile_elems=4096, num_warps=4),
-                  # the shrink reduces over V once after its loop (session 23): the plan below 64 rows, and fused
-                  "split_t8k_once": FusedTuning(mode="split", tile_elems=8192, num_warps=8, reduce_once=True),
-                  "fused_once": FusedTuning(mode="fused", reduce_once=True),
+                  # 2 / 4 / 8 tiles' loads issued together (session 25; session 24 timed reduce-once here: it lost)
+                  "split_t8k_u2": FusedTuning(mode="split", tile_elems=8192, num_warps=8, unroll=2),
+                  "split_t8k_u4": FusedTuning(mode="split", tile_elems=8192, num_warps=8, unroll=4),
+                  "split_t8k_u8": FusedTuning(mode="split", tile_elems=8192, num_warps=8, unroll=8),
+                  "split_t4k_u4": FusedTuning(mode="split", tile_elems=4096, num_warps=4, unroll=4),
+                  "fused_u2": FusedTuning(mode="fused", unroll=2),
                   # one rank class (the table's rows are all rank 16): does each class's branch cost registers?
                   "split_t8k_c1": FusedTuning(mode="split", tile_elems=8192, num_warps=8, classes=1)}
 TABLE_DEADLINE_S = 420  # start no new row after this (one device call is 10 minutes)

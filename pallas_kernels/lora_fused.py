@@ -19,6 +19,9 @@ aliased to the output and stays as it is). The shrink reduces each tile over its
 [class, chunks] fp32 partial and sums the chunks once at the end; with ``reduce_once`` it keeps the whole
 [class, chunks, V] product in fp32 registers and reduces over V and the chunks once, after its last step (no warp
 shuffles in the loop, at the cost of a tile's worth of fp32 registers; a variant for the benchmark, off by default).
+With ``unroll`` = G > 1 a loop step covers G tiles and issues their loads in two waves (every page lookup, then every
+pool vector) before it computes on any: a program's dependent loads then cost two round trips per G tiles instead of
+two per tile (the programs at 16-64 rows run 1-6 tiles and wait on their loads, session 22-24); off by default.
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ class FusedTuning(NamedTuple):
 
     mode: "fused" | "split"; vecs: output vectors (of V columns) per program; splits: d_in splits (split mode);
     tile_elems: adapter elements per program step; num_warps; classes: how many rank classes; reduce_once: the
-    shrink reduces over V once, after its loop, instead of at every step.
+    shrink reduces over V once, after its loop, instead of at every step; unroll: tiles whose loads one loop step
+    issues together (1: a tile a step).
     """
 
     mode: str | None = None
@@ -79,6 +83,7 @@ class FusedTuning(NamedTuple):
     num_warps: int | None = None
     classes: int | None = None
     reduce_once: bool | None = None
+    unroll: int | None = None
 
 
 class FusedPlan(NamedTuple):
@@ -90,6 +95,7 @@ class FusedPlan(NamedTuple):
     classes: tuple[int, ...]
     est_us: float  # the cost model's estimate (0 in interpret mode)
     reduce_once: bool = False  # not in the cost model: only a tuning sets it
+    unroll: int = 1  # likewise
 
 
 def _kernel_us(programs, per_prog, l2_bytes, hbm_bytes, tile_bytes, resident) -> float:
@@ -150,7 +156,8 @@ def fused_plan(n_rows: int, n_chunks: int, out_vecs: tuple[int, ...], vdim: int,
         raise ValueError(f"unknown fused LoRA mode {mode!r}")
     vecs = min(vecs, next_pow2(max(out_vecs)))
     splits = min(splits, n_chunks)
-    return FusedPlan(mode, vecs, splits, tile_elems, warps, classes, est, bool(tuning.reduce_once))
+    return FusedPlan(mode, vecs, splits, tile_elems, warps, classes, est, bool(tuning.reduce_once),
+                     max(1, int(tuning.unroll or 1)))
 
 
 class _Geom(NamedTuple):
@@ -169,6 +176,7 @@ class _Geom(NamedTuple):
     page_rows: int
     vdim: int
     reduce_once: bool = False
+    unroll: int = 1
 
 
 class _Row(NamedTuple):
@@ -197,12 +205,21 @@ def _by_class(row: _Row, classes, body) -> None:
         lo = r_b
 
 
-def _gather(pool_ref, pages_ref, row: _Row, v, mask, g: _Geom):
-    """Pool vectors ``[*v.shape, V]`` of the row's virtual vectors ``v``; masked entries read nothing (zeros)."""
+def _pool_index(pages_ref, row: _Row, v, mask, g: _Geom):
+    """Pool vector indices of the row's virtual vectors ``v``: the page lookup, the first load of a gather."""
     page = load(pages_ref.at[row.s, lax.div(v, g.page_rows)], mask=mask, other=0)
-    vec = row.lbase + page * g.page_rows + lax.rem(v, g.page_rows)
+    return row.lbase + page * g.page_rows + lax.rem(v, g.page_rows)
+
+
+def _pool_vectors(pool_ref, vec, mask, g: _Geom):
+    """Pool vectors ``[*vec.shape, V]`` at pool indices ``vec``; masked entries read nothing (zeros)."""
     lane = jnp.arange(g.vdim, dtype=jnp.int32)
     return load(pool_ref.at[vec[..., None], lane[(None,) * vec.ndim + (slice(None),)]], mask=mask[..., None], other=0)
+
+
+def _gather(pool_ref, pages_ref, row: _Row, v, mask, g: _Geom):
+    """Pool vectors ``[*v.shape, V]`` of the row's virtual vectors ``v``; masked entries read nothing (zeros)."""
+    return _pool_vectors(pool_ref, _pool_index(pages_ref, row, v, mask, g), mask, g)
 
 
 def _pow2_tile(tile_elems: int, r_b: int, vdim: int, span: int) -> int:
@@ -218,22 +235,35 @@ def _shrink(x_ref, pool_ref, pages_ref, row: _Row, a_off, r_b, lo, hi, span, g: 
     kmask = k < row.rank
     row0 = a_off + k * g.n_chunks  # virtual vector of A^T row k, chunk 0
     lane = jnp.arange(g.vdim, dtype=jnp.int32)
+    steps = -(-span // c)
+    n_tiles = max(1, min(g.unroll, steps))  # tiles a loop step loads together
 
     def step(j, acc):
-        cc = lo + j * c + jnp.arange(c, dtype=jnp.int32)
-        cmask = cc < hi
-        a = _gather(pool_ref, pages_ref, row, row0[:, None] + cc[None, :], kmask[:, None] & cmask[None, :], g)
-        xc = load(x_ref.at[row.t, cc[:, None], lane[None, :]], mask=cmask[:, None], other=0)
-        prod = a.astype(_F32) * xc.astype(_F32)[None, :, :]
-        return acc + (prod if g.reduce_once else jnp.sum(prod, axis=2))
+        # chunks past ``hi`` (the last step's tail, or a step's tiles past the span) are masked: they load nothing
+        ccs = [lo + (j * n_tiles + u) * c + jnp.arange(c, dtype=jnp.int32) for u in range(n_tiles)]
+        masks = [cc < hi for cc in ccs]
+        amasks = [kmask[:, None] & cm[None, :] for cm in masks]
+        tiles = range(n_tiles)
+        vecs = [_pool_index(pages_ref, row, row0[:, None] + ccs[u][None, :], amasks[u], g) for u in tiles]
+        xcs = [load(x_ref.at[row.t, ccs[u][:, None], lane[None, :]], mask=masks[u][:, None], other=0) for u in tiles]
+        a = [_pool_vectors(pool_ref, vecs[u], amasks[u], g) for u in tiles]
+        for u in tiles:  # every load is issued above; the math waits for them here
+            prod = a[u].astype(_F32) * xcs[u].astype(_F32)[None, :, :]
+            acc = acc + (prod if g.reduce_once else jnp.sum(prod, axis=2))
+        return acc
 
     shape = (r_b, c, g.vdim) if g.reduce_once else (r_b, c)
-    acc = lax.fori_loop(0, -(-span // c), step, jnp.zeros(shape, _F32))
+    n_steps = -(-steps // n_tiles)
+    if n_tiles > 1 and n_steps == 1:  # straight-line: nothing to loop over
+        acc = step(0, jnp.zeros(shape, _F32))
+    else:
+        acc = lax.fori_loop(0, n_steps, step, jnp.zeros(shape, _F32))
     return jnp.sum(jnp.sum(acc, axis=2) if g.reduce_once else acc, axis=1)
 
 
 def _expand_tiles(pool_ref, pages_ref, base_ref, row: _Row, b_off, n_out, col0, first, r_b, g: _Geom):
-    """(vectors per tile, tile(e) -> loads of step e, apply(loads, u, out_ref) -> stores) for the program's block."""
+    """(vectors per tile, tiles(e0, n) -> loads of tiles e0 .. e0 + n - 1, apply(loads, u, out_ref) -> stores) for
+    the program's block. ``tiles`` issues every page lookup before any pool or base load."""
     n_c = _pow2_tile(g.tile_elems, r_b, g.vdim, g.vecs)
     k = jnp.arange(r_b, dtype=jnp.int32)
     kmask = k < row.rank
@@ -241,37 +271,43 @@ def _expand_tiles(pool_ref, pages_ref, base_ref, row: _Row, b_off, n_out, col0, 
     lane = jnp.arange(g.vdim, dtype=jnp.int32)
     limit = jnp.minimum(first + g.vecs, n_out)
 
-    def tile(e):
-        cv = first + e * n_c + jnp.arange(n_c, dtype=jnp.int32)
-        cmask = cv < limit
-        b = _gather(pool_ref, pages_ref, row, row0[:, None] + cv[None, :], kmask[:, None] & cmask[None, :], g)
-        cols = (col0 + cv)[:, None] * g.vdim + lane[None, :]  # base and out are [T, D]: vector c is columns c*V + lane
-        old = load(base_ref.at[row.t, cols], mask=cmask[:, None], other=0)
-        return b, old, cols, cmask
+    def tiles(e0, n):
+        cvs = [first + (e0 + u) * n_c + jnp.arange(n_c, dtype=jnp.int32) for u in range(n)]
+        cmasks = [cv < limit for cv in cvs]  # tiles past the block's end load and store nothing
+        bmasks = [kmask[:, None] & cm[None, :] for cm in cmasks]
+        vecs = [_pool_index(pages_ref, row, row0[:, None] + cvs[u][None, :], bmasks[u], g) for u in range(n)]
+        cols = [(col0 + cv)[:, None] * g.vdim + lane[None, :] for cv in cvs]  # base, out [T, D]: vector c*V + lane
+        bs = [_pool_vectors(pool_ref, vecs[u], bmasks[u], g) for u in range(n)]
+        olds = [load(base_ref.at[row.t, cols[u]], mask=cmasks[u][:, None], other=0) for u in range(n)]
+        return [(bs[u], olds[u], cols[u], cmasks[u]) for u in range(n)]
 
     def apply(loads, u, out_ref):
-        b, old, cols, cmask = loads
-        new = old.astype(_F32) + jnp.sum(b.astype(_F32) * u[:, None, None], axis=0)
-        store(out_ref.at[row.t, cols], new.astype(out_ref.dtype), mask=cmask[:, None])
+        for b, old, cols, cmask in loads:
+            new = old.astype(_F32) + jnp.sum(b.astype(_F32) * u[:, None, None], axis=0)
+            store(out_ref.at[row.t, cols], new.astype(out_ref.dtype), mask=cmask[:, None])
 
-    return n_c, tile, apply
+    return n_c, tiles, apply
 
 
 def _expand(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, g, u_fn):
-    """``out = base + u @ B`` over the program's block; ``u_fn()`` gives the scaled [r_b] intermediate. A block of
-    one tile has its B and base loads issued before ``u_fn`` runs, so they arrive while the shrink streams A."""
-    n_c, tile, apply = _expand_tiles(pool_ref, pages_ref, base_ref, row, b_off, n_out, col0, first, r_b, g)
-    if min(g.vecs, max(g.out_vecs)) <= n_c:
-        loads = tile(0)
+    """``out = base + u @ B`` over the program's block; ``u_fn()`` gives the scaled [r_b] intermediate. A block that
+    one loop step covers has its B and base loads issued before ``u_fn`` runs, so they arrive while the shrink
+    streams A."""
+    n_c, tiles, apply = _expand_tiles(pool_ref, pages_ref, base_ref, row, b_off, n_out, col0, first, r_b, g)
+    per_block = -(-min(g.vecs, max(g.out_vecs)) // n_c)  # tiles of the widest block
+    n_tiles = max(1, min(g.unroll, per_block))  # tiles a loop step loads together
+    if per_block <= n_tiles:
+        loads = tiles(0, per_block)
         apply(loads, u_fn(), out_ref)
         return
     u = u_fn()
 
     def step(e, carry):
-        apply(tile(e), u, out_ref)
+        apply(tiles(e * n_tiles, n_tiles), u, out_ref)
         return carry
 
-    lax.fori_loop(0, lax.div(jnp.minimum(first + g.vecs, n_out) - first + (n_c - 1), n_c), step, _I0)
+    n_steps = lax.div(jnp.minimum(first + g.vecs, n_out) - first + (n_c * n_tiles - 1), n_c * n_tiles)
+    lax.fori_loop(0, n_steps, step, _I0)
 
 
 def _block(j, g: _Geom):
@@ -355,7 +391,8 @@ def bgmv_lora(x: jax.Array, base: jax.Array, pool: jax.Array, layer, row_slot: j
     blk_starts = tuple(sum(-(-n // p.vecs) for n in out_vecs[:i]) for i in range(n_mod))
     n_blocks = sum(-(-n // p.vecs) for n in out_vecs)
     g = _Geom(tuple(modules), out_vecs, tuple(sum(out_vecs[:i]) for i in range(n_mod)), blk_starts, p.vecs,
-              p.classes, p.tile_elems, n_chunks, -(-n_chunks // p.splits), p.splits, page_rows, vdim, p.reduce_once)
+              p.classes, p.tile_elems, n_chunks, -(-n_chunks // p.splits), p.splits, page_rows, vdim, p.reduce_once,
+              p.unroll)
     lay = layer_args(layer, pool.shape)
     slot = row_slot.astype(jnp.int32)
     xv, poolv = x.reshape(n_rows, n_chunks, vdim), pool.reshape(-1, vdim)

@@ -68,6 +68,10 @@ FUSED_CASES = [
     (5, QKV, 0, 5, FusedTuning(vecs=1, classes=1)),  # one class: every row in the max-rank tile
     (6, GATE_UP, 1, 4, FusedTuning(tile_elems=256, reduce_once=True)),  # [class, chunks, V] kept over many steps
     (7, DOWN, 0, 5, FusedTuning(mode="split", splits=4, tile_elems=512, reduce_once=True)),  # the partials too
+    # unroll: 4 shrink tiles in steps of 3 (the last step's tail masked); blocks of 4 tiles and of 2 (dynamic count)
+    (9, GATE_UP, 1, 4, FusedTuning(vecs=4, tile_elems=64, unroll=3)),
+    (10, DOWN, 0, 5, FusedTuning(mode="split", splits=2, tile_elems=256, unroll=2)),  # 3 chunks a split, steps of 2
+    (11, QKV, 1, 6, FusedTuning(vecs=2, tile_elems=256, unroll=8)),  # every tile in one straight-line step
 ]
 
 
@@ -132,11 +136,13 @@ def test_plan_shapes(n_rows, max_rank):
     assert (p.mode, p.vecs, p.splits, p.tile_elems, p.num_warps, len(p.classes)) == ("split", 4, 8, 4096, 4, 2)
     assert not p.reduce_once and fused_plan(n_rows, 86, (32,), 128, max_rank, 2, interpret=False,
                                             tuning=tuned._replace(reduce_once=True)).reduce_once
+    assert p.unroll == 1 and fused_plan(n_rows, 86, (32,), 128, max_rank, 2, interpret=False,
+                                        tuning=tuned._replace(unroll=4)).unroll == 4
 
 
-@pytest.mark.parametrize("reduce_once", [False, True])
+@pytest.mark.parametrize("reduce_once,unroll", [(False, 1), (True, 1), (False, 4)])
 @pytest.mark.parametrize("mode", ["fused", "split"])
-def test_lowers_through_triton(mode, reduce_once):
+def test_lowers_through_triton(mode, reduce_once, unroll):
     """Every primitive of both plans has a Triton lowering rule (the GPU compile itself needs the GPU suite)."""
 
     def sds(shape, dtype):
@@ -149,7 +155,7 @@ def test_lowers_through_triton(mode, reduce_once):
 
     def fn(x, base, pool, layer, row_slot, table):
         return bgmv_lora(x, base, pool, layer, row_slot, table, QKV, 64, d_outs, interpret=False,
-                         tuning=FusedTuning(mode=mode, reduce_once=reduce_once))
+                         tuning=FusedTuning(mode=mode, reduce_once=reduce_once, unroll=unroll))
 
     args = (sds((n_rows, d_in), jnp.bfloat16), sds((n_rows, sum(d_outs)), jnp.bfloat16),
             sds((n_layers, 16, 64, 128), jnp.bfloat16), sds((), jnp.int32), sds((n_rows,), jnp.int32), table)
@@ -174,5 +180,7 @@ def test_gpu_bgmv_lora(modules, dtype, tol):
     for n_rows in (1, 37, 256):
         for tuning in (None, FusedTuning(mode="fused", vecs=2), FusedTuning(mode="split", splits=4),
                        FusedTuning(mode="split", tile_elems=8192, num_warps=8, reduce_once=True),
-                       FusedTuning(mode="fused", reduce_once=True)):
+                       FusedTuning(mode="fused", reduce_once=True),
+                       FusedTuning(mode="split", tile_elems=8192, num_warps=8, unroll=4),
+                       FusedTuning(mode="fused", unroll=2)):
             check_fused(world, modules, 1, n_rows, tuning, rng, dtype, tol)
