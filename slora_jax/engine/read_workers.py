@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<Q")
 _TABLES = ("rank", "a_off", "b_off", "scale", "layer_num_vectors")
+READ_TIMEOUT_S = 120.0  # a read still running after this fails as the adapter's error (worker or thread alike)
+MAX_HUNG_READS = 32  # in-process reads given up on whose threads still run; beyond, reads fail at once
 
 
 class WorkerLost(RuntimeError):
@@ -118,7 +121,7 @@ class ReadWorkers:
     PEFT dir starts none; each costs ~2 s of imports once); one that dies is replaced. Closed by :meth:`close`, or
     when this object is collected."""
 
-    def __init__(self, n: int, timeout_s: float = 120.0):
+    def __init__(self, n: int, timeout_s: float = READ_TIMEOUT_S):
         """``timeout_s``: a read still running after it is stopped (its worker killed) and fails as the adapter's
         error, so a file crafted to make the reader spin or block ties up no IO thread for good."""
         if n < 1 or timeout_s <= 0:
@@ -134,6 +137,7 @@ class ReadWorkers:
         self._count = 0
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop_all, self._all, self._dir)
+        self._inline = InlineReader(self.timeout_s)  # reads in this process: under the same timeout
 
     def _take(self) -> _Worker:
         """An idle worker, a new one while fewer than ``n`` run, else the next to come back."""
@@ -198,13 +202,13 @@ class ReadWorkers:
 
     def load_rows(self, source, name: str, model_cfg, max_rank: int, dtype) -> AdapterRows:
         """A PEFT dir's rows from a worker (one that fails is not the adapter's fault: then read here); any other
-        source (in memory, synthetic) reads on the calling thread."""
+        source (in memory, synthetic, a mix) reads in this process, as :class:`InlineReader` reads."""
         if isinstance(source, PeftDirSource):
             try:
                 return self.read(source, name, model_cfg, max_rank, dtype)
             except WorkerLost as e:
                 log.warning("%s; reading adapter %r in this process", e, name)
-        return source.load_rows(name, model_cfg, max_rank, dtype)
+        return self._inline.read(source, name, model_cfg, max_rank, dtype, self.timeout_s)
 
     def close(self) -> None:
         self._closed = True
@@ -213,14 +217,81 @@ class ReadWorkers:
 
 
 class InlineReader:
-    """Every source read on the calling thread (no worker processes)."""
+    """Every source read in this process, each on a daemon thread of its own that the caller waits on for at most
+    ``timeout_s`` (as long as a worker's read may take).
 
-    @staticmethod
-    def load_rows(source, name: str, model_cfg, max_rank: int, dtype) -> AdapterRows:
-        return source.load_rows(name, model_cfg, max_rank, dtype)
+    Why a thread per read: a Python thread cannot be stopped, so a read that hangs (a network file system that never
+    answers, a source crafted to block) would hold the host tier's IO thread running it for good, and as many hung
+    reads as IO threads would leave every other client's adapters queued forever. Here the caller gives up after the
+    timeout: the read fails as the adapter's error (retryable, as a worker's timed-out read), the caller goes on to
+    the next read and the hung thread is left to end on its own. At most ``max_hung`` such threads may exist; while
+    that many do, reads fail at once (retryable too) rather than pile up threads. A thread costs ~0.1 ms a read.
+    """
+
+    def __init__(self, timeout_s: float = READ_TIMEOUT_S, max_hung: int = MAX_HUNG_READS):
+        if timeout_s <= 0 or max_hung < 1:
+            raise ValueError("InlineReader needs a positive timeout and max_hung >= 1")
+        self.timeout_s, self.max_hung = float(timeout_s), int(max_hung)
+        self.hung = 0  # reads given up on whose threads still run
+        self._lock = threading.Lock()
+
+    def load_rows(self, source, name: str, model_cfg, max_rank: int, dtype) -> AdapterRows:
+        return self.read(source, name, model_cfg, max_rank, dtype, self.timeout_s)
+
+    def read(self, source, name: str, model_cfg, max_rank: int, dtype, timeout_s: float) -> AdapterRows:
+        """``source.load_rows(...)`` on a thread of its own; raises what it raises, or :class:`AdapterError` if it
+        takes longer than ``timeout_s`` (or ``max_hung`` earlier reads still hang)."""
+        with self._lock:
+            if self.hung >= self.max_hung:
+                raise AdapterError(name, f"not read: {self.hung} earlier adapter reads still hang past the "
+                                         f"{timeout_s:g} s read timeout", RETRY_AFTER_S)
+        read = _Read()
+        threading.Thread(target=self._run, args=(read, source, name, model_cfg, max_rank, dtype), daemon=True,
+                         name=f"adapter-read {name[:60]}").start()
+        try:
+            read.done.wait(timeout_s)
+        finally:  # timed out (or interrupted): the thread is abandoned, unless it ended just now
+            with self._lock:
+                abandoned = read.abandoned = not read.finished
+                self.hung += abandoned
+        if abandoned:
+            raise AdapterError(name, f"reading it took longer than {timeout_s:g} s; the read was abandoned",
+                               RETRY_AFTER_S)  # a slow disk may recover
+        rows, error = read.rows, read.error
+        del read
+        if error is None:
+            return rows
+        try:
+            raise error
+        finally:
+            del error  # no cycle through this frame (see lora.errors.rejecting)
+
+    def _run(self, read: _Read, source, name: str, model_cfg, max_rank: int, dtype) -> None:
+        t0 = time.monotonic()
+        try:
+            read.rows = source.load_rows(name, model_cfg, max_rank, dtype)
+        except BaseException as e:  # noqa: BLE001 - raised on the waiting thread
+            read.error = e.with_traceback(None)  # this thread's frames stay here
+        with self._lock:
+            read.finished = True
+            self.hung -= read.abandoned
+        read.done.set()
+        if read.abandoned:
+            read.rows = read.error = None
+            log.warning("a read of adapter %r abandoned after the timeout ended after %.0f s", name,
+                        time.monotonic() - t0)
 
     def close(self) -> None:
         pass
+
+
+class _Read:
+    __slots__ = ("done", "finished", "abandoned", "rows", "error")
+
+    def __init__(self):
+        self.done, self.finished, self.abandoned = threading.Event(), False, False
+        self.rows: AdapterRows | None = None
+        self.error: BaseException | None = None
 
 
 def adapter_reader(processes: int) -> ReadWorkers | InlineReader:
