@@ -233,27 +233,56 @@ class CompletionRequest(_Request):
         return p
 
 
+# Content part types whose text goes into the prompt, each with the key that holds it, and how one message's texts
+# are joined: as vLLM's OpenAI server does for a text-only model whose chat template takes string content
+# (vllm/entrypoints/chat_utils.py: MM_PARSER_MAP, _parse_chat_message_content_parts), so a request moved from vLLM
+# gets the same prompt. A bare string in the list is a text part too, as there.
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+              "thinking": "thinking"}
+PART_SEPARATOR = "\n"
+# vLLM's media parts: what a multimodal model would take; this server's models take text only
+MEDIA_PARTS = ("image_url", "input_image", "image_pil", "image_embeds", "audio_url", "input_audio", "audio_embeds",
+               "video_url", "prompt_embeds")
+
+
+def part_text(index: int, part: dict[str, Any] | str) -> str:
+    """The text of content part ``index``; 400 naming the part for any other (where vLLM would skip a text part
+    without its text, we refuse it: a prompt silently missing part of what the client sent is a different request)."""
+    if isinstance(part, str):
+        return part
+    where, kind = f"content part {index}", part.get("type")
+    supported = ", ".join(TEXT_PARTS)
+    if kind is None:
+        raise APIError(400, f"{where} has no 'type'; a text part is {{\"type\": \"text\", \"text\": ...}}",
+                       "messages")
+    if not isinstance(kind, str):
+        raise APIError(400, f"{where} has a 'type' that is not a string ({kind!r})", "messages")
+    if kind in MEDIA_PARTS:
+        raise APIError(400, f"{where} is of type {kind!r}, but this server's models take text only (supported "
+                       f"content part types: {supported})", "messages")
+    if kind not in TEXT_PARTS:
+        raise APIError(400, f"{where} is of an unsupported type {kind!r} (supported content part types: "
+                       f"{supported})", "messages")
+    key = TEXT_PARTS[kind]
+    if not isinstance(part.get(key), str):
+        raise APIError(400, f"{where} of type {kind!r} needs a string {key!r}", "messages")
+    return part[key]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any] | str] | None = None
 
     def text(self) -> str:
-        """The message's text; content parts other than text are refused."""
+        """The message's text: a list of parts gives its parts' texts joined by :data:`PART_SEPARATOR`; a part that
+        is not text is refused (:func:`part_text`)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise APIError(400, f"content part of type {part.get('type')!r} is not supported (text only)",
-                               "messages")
-            if not isinstance(part.get("text"), str):
-                raise APIError(400, "a text content part needs a string 'text'", "messages")
-            parts.append(part["text"])
-        return "".join(parts)
+        return PART_SEPARATOR.join(part_text(i, part) for i, part in enumerate(self.content))
 
 
 class ChatCompletionRequest(_Request):
