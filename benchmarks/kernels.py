@@ -53,6 +53,11 @@ def parse_args():
     p.add_argument("--pool-gib", type=float, default=8.0, help="pool size (>4 GiB exercises 64-bit addressing)")
     p.add_argument("--decode-table", action="store_true", help="only issue 14's decode rows: v1 vs fused kernels")
     p.add_argument("--table-rows", type=int, default=None, help="with --decode-table: only the first N rows")
+    p.add_argument("--rows", default=None, help="with --decode-table: the first row of each of these batch sizes")
+    p.add_argument("--packed", action="store_true",
+                   help="adapters on consecutive pages from page 0 (default: random pages over the whole pool)")
+    p.add_argument("--layer-variants", default=None, help="with --decode-table: only these layer variants ('' none)")
+    p.add_argument("--group-variants", default=None, help="with --decode-table: only these group variants ('' none)")
     return p.parse_args()
 
 
@@ -139,10 +144,11 @@ def pages_per_adapter(rank: int) -> int:
 
 
 def make_table(rng, ranks: list[int], num_pages: int) -> AdapterTable:
-    """Adapters (one per entry of ``ranks``, all 7 modules) on random non-contiguous pages of the pool."""
+    """Adapters (one per entry of ``ranks``, all 7 modules) on random non-contiguous pages of the pool (``--packed``:
+    on consecutive pages, every adapter's pages in order: tells the cost of scattered pages apart from the kernels')."""
     n = len(ranks)
     need = [pages_per_adapter(r) for r in ranks]
-    perm = rng.permutation(num_pages)
+    perm = np.arange(num_pages) if ARGS.packed else rng.permutation(num_pages)
     pages = np.zeros((n, max(need)), np.int32)
     rank = np.zeros((n, 1, 7), np.int32)
     a_off = np.zeros_like(rank)
@@ -465,6 +471,20 @@ LAYER_VARIANTS = {"fused": VARIANTS["fused"], "split": VARIANTS["split"],
                   "fused_u2": FusedTuning(mode="fused", unroll=2),
                   # one rank class (the table's rows are all rank 16): does each class's branch cost registers?
                   "split_t8k_c1": FusedTuning(mode="split", tile_elems=8192, num_warps=8, classes=1)}
+def _chosen(variants: dict, names: str | None) -> dict:
+    """``variants`` restricted to the comma-separated ``names`` (None: all; '': none)."""
+    if names is None:
+        return variants
+    wanted = [v for v in names.split(",") if v]
+    unknown = set(wanted) - set(variants)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {sorted(variants)}")
+    return {k: variants[k] for k in wanted}
+
+
+VARIANTS, LAYER_VARIANTS = _chosen(VARIANTS, ARGS.group_variants), _chosen(LAYER_VARIANTS, ARGS.layer_variants)
+if ARGS.rows:  # the first row of each batch size named (the rank-16 rows of the issue's table)
+    TABLE_ROWS = [next(r for r in TABLE_ROWS if r[0] == int(b)) for b in ARGS.rows.split(",")]
 TABLE_DEADLINE_S = 420  # start no new row after this (one device call is 10 minutes)
 LAUNCH_OPS = ("fusion", "custom-call", "copy", "copy-start", "reduce", "scatter", "gather", "sort",
               "dynamic-update-slice", "dynamic-slice", "all-reduce")
@@ -689,7 +709,7 @@ def write_result(device, copy, pool, t_start, **parts):
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "device": device.device_kind, "platform": device.platform, "jax_version": jax.__version__,
-        "git_commit": git_commit(), "tiny": ARGS.tiny, "copy_bandwidth": copy,
+        "git_commit": git_commit(), "tiny": ARGS.tiny, "packed_pages": ARGS.packed, "copy_bandwidth": copy,
         "shapes": {"hidden": HIDDEN, "intermediate": INTER, "head_dim": VDIM, "kv_width": KV_WIDTH,
                    "page_rows": PAGE_ROWS, "pool_shape": list(pool.shape), "prefill_block_t": BLOCK_T},
         **parts, "wall_s": time.perf_counter() - t_start,
