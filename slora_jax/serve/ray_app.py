@@ -30,6 +30,7 @@ from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import LoggingConfig
 
@@ -48,6 +49,8 @@ REPLICA_LOCAL_WRITES = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adap
                                   "/v1/adapters/unpin"})
 ACCEPTED = "accepted"  # a replica's first item: the request reached a live replica (after it, no retry)
 ACCEPT_TIMEOUT_S = 120.0  # no replica took the request in this long (none alive, all full): 503
+REPLICA_LOST = (RayActorError, ReplicaUnavailableError)  # the replica chosen is gone (before ACCEPTED: nothing ran)
+UNAVAILABLE = (DeploymentUnavailableError, BackPressureError)  # no replica can take requests now: 503, not 500
 STATS_PERIOD_S = 1.0  # how often each replica reports its adapter residency to the routers
 
 
@@ -147,7 +150,7 @@ class RelayedResponse(StreamingResponse):
         try:
             async for chunk in self.rest:
                 yield chunk
-        except RayActorError as e:
+        except REPLICA_LOST as e:
             log.warning("replica lost mid-response: %s", e)
             if not self.sse:
                 raise
@@ -192,12 +195,15 @@ class SloraIngress:
     async def relay(self, req: RelayedRequest, adapter: str):
         handle = self.replicas.options(stream=True, multiplexed_model_id=adapter)
         for attempt in (1, 2):
-            stream = handle.forward.remote(req, routing=self.routing)
             try:
+                stream = handle.forward.remote(req, routing=self.routing)
                 await asyncio.wait_for(stream.__anext__(), ACCEPT_TIMEOUT_S)  # ACCEPTED
                 break
-            except RayActorError as e:  # died before it took the request: nothing ran, another may take it
+            except REPLICA_LOST as e:  # died before it took the request: nothing ran, another may take it
                 log.warning("replica lost before accepting a request (attempt %d): %s", attempt, e)
+            except UNAVAILABLE as e:  # the deployment failed, or its queue is full
+                log.warning("no replica can take a request: %s", e)
+                return error_response(503, f"no replica can take requests now ({type(e).__name__}); retry")
             except TimeoutError:
                 stream.cancel()
                 return error_response(503, f"no replica took the request within {ACCEPT_TIMEOUT_S:.0f} s; retry")
@@ -205,7 +211,7 @@ class SloraIngress:
             return error_response(503, "the replicas chosen for this request stopped before taking it; retry")
         try:
             start = await stream.__anext__()
-        except RayActorError:
+        except REPLICA_LOST:
             return error_response(503, "the replica serving this request stopped; retry")
         if not isinstance(start, ResponseStart):
             stream.cancel()
