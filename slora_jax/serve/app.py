@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible completions and chat (stream or not), adapter admin, health and metrics.
+"""The FastAPI app: OpenAI-compatible completions and chat (stream or not), vLLM's tokenizer endpoints, adapter admin,
+health and metrics.
 
 ``model`` in a request is an adapter name, or the served base model's name for no adapter. Routes are thin: a body
 model from ``protocol`` in, a call to one of the app's parts (:class:`ServeContext`), a response out. Every failure
@@ -6,7 +7,7 @@ is a JSON error with a precise status (``errors``); the API-key check and reques
 (``gate``). The engine is reached through its thread-safe methods or the engine thread, never from here directly.
 
 Adding an endpoint: its body model in ``protocol``, one ``@routes.get/post`` function here. Errors, auth (for /v1
-paths) and the per-endpoint request metric come with it.
+paths, and ``gate.KEYED_OUTSIDE_V1``) and the per-endpoint request metric come with it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from .adapters import AdapterAdmin, timed_out
@@ -29,11 +30,20 @@ from .gate import RequestGate, api_route_paths
 from .generation import GenerationRunner
 from .limits import BodyLimits
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, LoadLoraRequest, PinLoraRequest, UnloadLoraRequest
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoraRequest,
+    PinLoraRequest,
+    TokenizeRequest,
+    UnloadLoraRequest,
+)
 from .request_builder import RequestBuilder
 from .shutdown import Drain
 
 log = logging.getLogger("slora_jax.serve")
+DETOKENIZE_MAX_FACTOR = 4  # /detokenize takes at most this many times max_model_len ids
 
 
 @dataclasses.dataclass
@@ -76,6 +86,18 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, ctx: Ct
     arrival = time.monotonic()
     tenant = ctx.requests.tenant_of(request.headers)
     return await ctx.generations.respond(await ctx.requests.chat(req, tenant), arrival, request)
+
+
+# ---------------------------------------------------------------- tokenizer (vLLM's /tokenize and /detokenize)
+@routes.post("/tokenize")
+async def tokenize(req: TokenizeRequest, ctx: Ctx):
+    ids, strs = await ctx.requests.tokenize(req)
+    return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs})
+
+
+@routes.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, ctx: Ctx):
+    return JSONResponse({"prompt": await ctx.requests.detokenize(req, DETOKENIZE_MAX_FACTOR * ctx.max_model_len)})
 
 
 # ---------------------------------------------------------------- models and adapters

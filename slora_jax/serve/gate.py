@@ -1,5 +1,6 @@
-"""ASGI middleware in front of every route: the API-key check on /v1, refusal while shutting down, the count of
-requests in flight (the drain waits for it) and request counting by endpoint and status.
+"""ASGI middleware in front of every route: the API-key check on /v1 (and :data:`KEYED_OUTSIDE_V1`), refusal
+while shutting down, the count of requests in flight (the drain waits for it) and request counting by endpoint and
+status.
 
 It wraps the whole app (streams included, so a stream's status is counted once its response starts). The endpoint
 label is the route's path for the app's own API routes and "other" for anything else (404s, docs), so label
@@ -21,6 +22,9 @@ from .metrics import ServerMetrics
 from .shutdown import SHUTTING_DOWN, Drain
 
 ALWAYS_OPEN = frozenset({"/metrics"})  # answered even while draining (scrapes see the drain happen)
+# vLLM's tokenizer endpoints live outside /v1; tokenizing costs CPU, so with an API key they need it too (vLLM's
+# do not)
+KEYED_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize"})
 
 
 def api_route_paths(router: APIRouter) -> frozenset[str]:
@@ -62,7 +66,7 @@ class RequestGate:
             response.headers["connection"] = "close"
             await response(scope, receive, send)
             return
-        if self.api_key and path.startswith("/v1"):
+        if self.api_key and (path.startswith("/v1") or path in KEYED_OUTSIDE_V1):
             refusal = self._authorised(scope)
             if refusal is not None:
                 self.metrics.requests.labels(endpoint, "401").inc()

@@ -337,6 +337,55 @@ class PinLoraRequest(BaseModel):
     lora_name: str = Field(min_length=1, max_length=256)
 
 
+# ---------------------------------------------------------------- tokenizer endpoints (vLLM's /tokenize, /detokenize)
+
+# vLLM's /tokenize fields that we do not implement, each with vLLM's default: set to anything else (a value that is
+# not empty, false or null) they are refused with a 400 naming them, as for generation (VLLM_UNIMPLEMENTED)
+TOKENIZE_UNIMPLEMENTED = ("continue_final_message", "chat_template", "chat_template_kwargs", "tools",
+                          "mm_processor_kwargs", "media_io_kwargs")
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: vLLM's two forms in one body, ``prompt`` (as ``/v1/completions`` tokenizes it) or
+    ``messages`` (as ``/v1/chat/completions`` builds its prompt); exactly one of them. ``model`` absent: the base."""
+
+    model_config = ConfigDict(extra="allow")  # kept to look for TOKENIZE_UNIMPLEMENTED fields; others are ignored
+
+    model: str | None = Field(None, max_length=1024)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # vLLM's default: true for a prompt, false for messages (the template's)
+    add_generation_prompt: bool = True  # messages only
+    return_token_strs: bool | None = False
+
+    def check_supported(self) -> None:
+        for name in TOKENIZE_UNIMPLEMENTED:
+            value = (self.model_extra or {}).get(name)
+            if value:
+                raise APIError(400, f"{name}={json.dumps(value)[:100]} is not supported (only vLLM's default, "
+                               f"{'false' if name == 'continue_final_message' else 'null'})", name)
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "send exactly one of prompt (text) and messages (a chat), not "
+                           f"{'both' if self.prompt is not None else 'neither'}",
+                           "prompt" if self.prompt is not None else "messages")
+        if self.messages is not None and not self.messages:
+            raise APIError(400, "messages is empty", "messages")
+
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens (BOS): vLLM's default per form unless given."""
+        return self.prompt is not None if self.add_special_tokens is None else self.add_special_tokens
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: ``tokens`` are checked one by one (``RequestBuilder.build_detokenize``) so that the first
+    bad one is named, where a typed list would coerce ``"7"`` and ``7.0`` and name only a position."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, max_length=1024)
+    tokens: list[Any]
+
+
 # ---------------------------------------------------------------- responses (plain dicts: cheap to build per chunk)
 
 def new_id(prefix: str) -> str:

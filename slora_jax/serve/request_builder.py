@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import copy
 import dataclasses
+import json
 import threading
 from collections.abc import Mapping
 from typing import Literal
@@ -24,7 +25,15 @@ from ..engine.engine import RequestRejected
 from ..engine.grammar import GrammarMatcher, GrammarSpec
 from ..engine.sampling import SamplingParams
 from .config import DEFAULT_TENANT_HEADER, MAX_TENANT_CHARS
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, check_text
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_text,
+)
 from .structured import RequestGrammars
 
 # Used when the tokenizer has no chat template of its own: role-tagged turns, generation after "assistant:".
@@ -121,12 +130,17 @@ class RequestBuilder:
         """The adapter a request's ``model`` names: None for the base model, and for a request with ``adapters``
         (its mix is added by :meth:`_with_mix`, once the rest of the request passed); 404 for a name we do not
         serve."""
-        if req.adapters is not None or req.model == self.base_name:
+        return None if req.adapters is not None else self.adapter_named(req.model)
+
+    def adapter_named(self, model: str | None) -> str | None:
+        """The adapter ``model`` names: None for the base model (and for no model: the tokenizer endpoints); 404 for a
+        name we do not serve."""
+        if model is None or model == self.base_name:
             return None
-        if not self.engine.has_adapter(req.model):  # thread-safe; add_request checks again
-            raise APIError(404, f"the model {req.model!r} does not exist (neither the base model {self.base_name!r} "
+        if not self.engine.has_adapter(model):  # thread-safe; add_request checks again
+            raise APIError(404, f"the model {model!r} does not exist (neither the base model {self.base_name!r} "
                            f"nor a loaded adapter)", "model")
-        return req.model
+        return model
 
     def _with_mix(self, req, prepared: PreparedRequest) -> PreparedRequest:
         """``prepared`` serving the mix that ``req.adapters`` names: registered only once the rest of the request has
@@ -187,7 +201,17 @@ class RequestBuilder:
         if not self.has_tokenizer:
             raise APIError(400, "this server has no tokenizer, so chat is unavailable; use /v1/completions with "
                            "token ids")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        prompt_ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt)
+        prepared = self._prepared("chat", req, adapter, prompt_ids, None, tenant)
+        self.check_tokens(len(prompt_ids))
+        return self._with_mix(req, prepared)
+
+    def chat_prompt_ids(self, chat: list[ChatMessage], add_generation_prompt: bool,
+                        add_special_tokens: bool = False) -> list[int]:
+        """The prompt ids of a chat: its messages through the tokenizer's chat template (``FALLBACK_CHAT_TEMPLATE``
+        without one), encoded without special tokens (the template writes them) unless ``add_special_tokens``. The
+        one path of ``/v1/chat/completions`` and ``/tokenize``, so the two give the same ids. In a worker thread."""
+        messages = [{"role": m.role, "content": m.text()} for m in chat]
         self.check_chars(sum(len(m["role"]) + len(m["content"]) + MESSAGE_OVERHEAD_CHARS for m in messages),
                          "messages")
         for m in messages:
@@ -196,14 +220,55 @@ class RequestBuilder:
         template = getattr(tok, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
         try:
             text = tok.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                           add_generation_prompt=req.add_generation_prompt)
+                                           add_generation_prompt=add_generation_prompt)
         except Exception as e:  # a template may raise on roles it does not know
             raise APIError(400, f"cannot apply the chat template: {e}", "messages") from None
-        # the template already wrote the special tokens
-        prompt_ids = self.encode(text, add_special_tokens=False, field="messages")
-        prepared = self._prepared("chat", req, adapter, prompt_ids, None, tenant)
-        self.check_tokens(len(prompt_ids))
-        return self._with_mix(req, prepared)
+        return self.encode(text, add_special_tokens=add_special_tokens, field="messages")
+
+    # ---------------------------------------------------------------- /tokenize and /detokenize (vLLM's)
+
+    async def tokenize(self, req: TokenizeRequest) -> tuple[list[int], list[str] | None]:
+        return await self.threads.run(self.build_tokenize, req)
+
+    async def detokenize(self, req: DetokenizeRequest, max_tokens: int) -> str:
+        return await self.threads.run(self.build_detokenize, req, max_tokens)
+
+    def require_tokenizer(self, endpoint: str) -> None:
+        if not self.has_tokenizer:
+            raise APIError(400, f"this server has no tokenizer, so {endpoint} is unavailable (the model directory "
+                           "holds no tokenizer files)")
+
+    def build_tokenize(self, req: TokenizeRequest) -> tuple[list[int], list[str] | None]:
+        """The ids ``/v1/completions`` (``prompt``) or ``/v1/chat/completions`` (``messages``) would use for the same
+        input (with vLLM's ``add_special_tokens`` defaults), and their token strings if asked. No length limit but the
+        characters': counting a prompt too long to serve is what the endpoint is for."""
+        req.check_supported()
+        self.adapter_named(req.model)  # every model shares the base tokenizer: only the name is checked
+        self.require_tokenizer("/tokenize")
+        if req.prompt is not None:
+            ids = self.encode(req.prompt, add_special_tokens=req.special_tokens())
+        else:
+            ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt, req.special_tokens())
+        strs = list(self.threads.tokenizer().convert_ids_to_tokens(ids)) if req.return_token_strs else None
+        return ids, strs
+
+    def build_detokenize(self, req: DetokenizeRequest, max_tokens: int) -> str:
+        """``tokenizer.decode(tokens)``, special tokens kept (vLLM's); 400 naming the first id that is not an integer
+        in ``[0, vocab_size)``, and for more than ``max_tokens`` ids."""
+        self.adapter_named(req.model)
+        self.require_tokenizer("/detokenize")
+        ids, vocab = req.tokens, self.engine.cfg.vocab_size
+        if len(ids) > max_tokens:
+            raise APIError(400, f"tokens has {len(ids)} ids; this server decodes at most {max_tokens} (4 x "
+                           "--max-model-len) at once", "tokens")
+        for i, t in enumerate(ids):
+            if type(t) is not int or not 0 <= t < vocab:  # bool is an int to Python, not to JSON
+                brief = {list: "an array", dict: "an object"}.get(type(t)) or json.dumps(t)[:50]
+                raise APIError(400, f"tokens[{i}] is {brief}, not a token id (an integer in [0, {vocab}))", "tokens")
+        try:
+            return self.threads.tokenizer().decode(ids)
+        except Exception as e:  # an id the tokenizer's own vocabulary lacks (a model vocab padded past it)
+            raise APIError(400, f"cannot decode tokens: {type(e).__name__}: {e}", "tokens") from None
 
     def _prepared(self, kind: Kind, req, adapter: str | None, prompt_ids: list[int], default_max_tokens: int | None,
                   tenant: str | None) -> PreparedRequest:
