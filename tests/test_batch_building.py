@@ -32,7 +32,8 @@ def ref_sampling(params, seeds, counters, rows, vocab, masks=None, *, eos_ids=()
                  prompt_lens=None, bias_entries=0) -> dict:
     words = mask_words(vocab)
     out = dict(temperature=np.zeros(rows, np.float32), top_k=np.zeros(rows, np.int32),
-               top_p=np.ones(rows, np.float32), seed=np.zeros(rows, np.uint32), counter=np.zeros(rows, np.int32),
+               top_p=np.ones(rows, np.float32), seed=np.zeros(rows, np.uint32),
+               seed_hi=np.zeros(rows, np.uint32), counter=np.zeros(rows, np.int32),
                token_mask=np.full((rows, words), -1, np.int32), penalty_row=np.full(rows, -1, np.int32),
                presence=np.zeros(rows, np.float32), frequency=np.zeros(rows, np.float32),
                repetition=np.ones(rows, np.float32), prompt_len=np.zeros(rows, np.int32),
@@ -47,7 +48,7 @@ def ref_sampling(params, seeds, counters, rows, vocab, masks=None, *, eos_ids=()
         out["temperature"][i] = p.temperature
         out["top_k"][i] = min(max(p.top_k, 0), INT32_MAX)
         out["top_p"][i] = max(p.top_p, TOP_P_FLOOR)
-        out["seed"][i] = (seeds[i] ^ (seeds[i] >> 32)) & 0xFFFFFFFF
+        out["seed"][i], out["seed_hi"][i] = seeds[i] % 2**32, seeds[i] // 2**32
         out["counter"][i] = counters[i]
         if counters[i] < p.min_tokens:
             forbidden = [t for t in p.stop_token_ids + (() if p.ignore_eos else tuple(eos_ids)) if 0 <= t < vocab]

@@ -164,3 +164,24 @@ def test_a_mask_that_allows_nothing_leaves_the_row_unconstrained():
 def test_a_mask_of_the_wrong_shape_or_dtype_is_refused(bad):
     with pytest.raises(ValueError, match="token mask"):
         sampling_arrays([SamplingParams()], [0], [0], 1, 100, [bad])
+
+
+def test_every_bit_of_a_64_bit_seed_counts():
+    """Seeds that differ only above bit 31 draw different streams (they were once folded into 32 bits, so 1 and
+    2**32 + 1 ... and any s and s ^ (t << 32) ^ t collided); a seed below 2**32 still draws PRNGKey(seed)'s stream."""
+    rng = np.random.default_rng()
+    vocab, steps = 400, 24
+    logits = jnp.asarray(rng.standard_normal((1, vocab)).astype(np.float32))
+    hot = [SamplingParams(temperature=1.5)]
+
+    def stream(seed):
+        return [int(sample(logits, _arrays(hot, [seed], [c], vocab))[0]) for c in range(steps)]
+
+    low = int(rng.integers(1, 2**31))
+    for other in (low + 2**32, low ^ (low << 32) ^ low, low + 2**62):  # the second folded to 0 * low: 0
+        assert stream(low) != stream(other), other
+    assert stream(2**32 + low) != stream(2**33 + low)
+    # below 2**32 the key is PRNGKey(seed): a reference draw written against jax.random directly
+    key = jax.random.fold_in(jax.random.PRNGKey(low), 5)
+    want = int(jnp.argmax(logits[0] / 1.5 + jax.random.gumbel(key, (vocab,), jnp.float32)))
+    assert int(sample(logits, _arrays(hot, [low], [5], vocab))[0]) == want

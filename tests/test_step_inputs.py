@@ -21,7 +21,8 @@ def _random_inputs(rng, rows=6, seqs=3, pages=5):
                       logits_rows=ints(seqs), lora_tiles=ints(3, 4), attn_tiles=ints(7, 4))
     s = SamplingArrays(temperature=rng.standard_normal(seqs).astype(np.float32) * 1e3,
                        top_k=ints(seqs), top_p=rng.random(seqs).astype(np.float32),
-                       seed=rng.integers(0, 2**32, size=seqs, dtype=np.uint64).astype(np.uint32), counter=ints(seqs),
+                       seed=rng.integers(0, 2**32, size=seqs, dtype=np.uint64).astype(np.uint32),
+                       seed_hi=rng.integers(0, 2**32, size=seqs, dtype=np.uint64).astype(np.uint32), counter=ints(seqs),
                        token_mask=ints(seqs, 4), penalty_row=ints(seqs),
                        presence=rng.standard_normal(seqs).astype(np.float32),
                        frequency=rng.standard_normal(seqs).astype(np.float32),

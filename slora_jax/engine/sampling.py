@@ -137,7 +137,8 @@ class SamplingArrays:
     temperature: jax.Array  # float32
     top_k: jax.Array  # int32, 0 = off
     top_p: jax.Array  # float32
-    seed: jax.Array  # uint32
+    seed: jax.Array  # uint32: the low half of the row's 64-bit seed
+    seed_hi: jax.Array  # uint32: its high half (every bit of a seed counts: no two seeds share a stream)
     counter: jax.Array  # int32: tokens generated so far (so each step draws fresh randomness)
     # int32 [B, mask_words(V)]: bit j of word w set = token 32 * w + j may be sampled (llguidance's and xgrammar's
     # packed bitmask layout); every bit set for unconstrained and padding rows
@@ -187,15 +188,17 @@ def sampling_arrays(params: list[SamplingParams | None], seeds: list[int], count
                        np.float64, n * len(_PAD_ROW)).reshape(n, len(_PAD_ROW))
     live = np.fromiter((p is not None for p in params), bool, n)
     out = dict(temperature=np.zeros(rows, np.float32), top_k=np.zeros(rows, np.int32),
-               top_p=np.ones(rows, np.float32), seed=np.zeros(rows, np.uint32), counter=np.zeros(rows, np.int32),
+               top_p=np.ones(rows, np.float32), seed=np.zeros(rows, np.uint32),
+               seed_hi=np.zeros(rows, np.uint32), counter=np.zeros(rows, np.int32),
                token_mask=token_mask, penalty_row=np.full(rows, -1, np.int32), presence=np.zeros(rows, np.float32),
                frequency=np.zeros(rows, np.float32), repetition=np.ones(rows, np.float32),
                prompt_len=np.zeros(rows, np.int32), bias_ids=np.full((rows, bias_entries), -1, np.int32),
                bias_values=np.zeros((rows, bias_entries), np.float32))
     out["temperature"][:n], out["top_k"][:n], out["top_p"][:n] = vals[:, 0], vals[:, 1], vals[:, 2]
-    # 64-bit seeds: fold the top half in (exact Python ints; padding rows keep 0)
-    out["seed"][:n] = [(s ^ (s >> 32)) & 0xFFFFFFFF if p is not None else 0
-                       for p, s in zip(params, seeds, strict=False)]
+    # 64-bit seeds as two 32-bit halves (exact Python ints; padding rows keep 0): the key is their 64 bits
+    live_seeds = [int(s) if p is not None else 0 for p, s in zip(params, seeds, strict=False)]
+    out["seed"][:n] = [s & 0xFFFFFFFF for s in live_seeds]
+    out["seed_hi"][:n] = [(s >> 32) & 0xFFFFFFFF for s in live_seeds]
     out["counter"][:n] = [c if p is not None else 0 for p, c in zip(params, counters, strict=False)]
     short = np.flatnonzero(live & (out["counter"][:n] < vals[:, 6]))  # still below their min_tokens
     for i in short.tolist():
@@ -261,10 +264,16 @@ def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """
     greedy, kept = _greedy_and_kept(logits, s)
     vocab = logits.shape[-1]
-    keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.PRNGKey(seed), c))(s.seed, s.counter)
+    keys = jax.vmap(lambda hi, lo, c: jax.random.fold_in(_seed_key(hi, lo), c))(s.seed_hi, s.seed, s.counter)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
     sampled = jnp.argmax(kept + gumbel, axis=-1).astype(jnp.int32)
     return jnp.where(s.temperature > 0, sampled, greedy)
+
+
+def _seed_key(hi: jax.Array, lo: jax.Array) -> jax.Array:
+    """The threefry key of a 64-bit seed, as key data [hi, lo]: for a seed below 2**32 the key ``PRNGKey(seed)``
+    makes, so those seeds draw what they always drew; above, the high half is no longer folded into 32 bits."""
+    return jax.random.wrap_key_data(jnp.stack([hi, lo]).astype(jnp.uint32), impl="threefry2x32")
 
 
 def kept_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
