@@ -166,7 +166,7 @@ def test_request_larger_than_the_pool_is_refused_not_queued_forever(http):
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -3}, "top_k"),
-    ({"seed": -1}, "seed"),
+    ({"seed": -2}, "seed"),  # -1 is vLLM's "no seed"
     ({"n": 17}, "n must be"),
     ({"logprobs": 21}, "logprobs"),
     ({"max_tokens": 0}, "echo"),

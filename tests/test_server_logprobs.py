@@ -160,7 +160,6 @@ def test_penalties_bias_and_min_tokens_through_the_client(client, srv):
     ("completions", {"max_tokens": 0}, "max_tokens"),
     ("completions", {"max_tokens": 0, "echo": False, "logprobs": 1}, "max_tokens"),
     ("completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
-    ("completions", {"logit_bias": {"5": 101}}, "logit_bias"),
     ("completions", {"logit_bias": {"999999": 1}}, "logit_bias"),
     ("completions", {"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias"),
     ("completions", {"presence_penalty": 2.5}, "presence_penalty"),
@@ -185,6 +184,41 @@ def test_bad_values_are_400_with_the_field_named(client, srv, path, body, field)
     with pytest.raises(openai.BadRequestError) as err:
         create(**kw, extra_body=extra)
     assert field in str(err.value)
+
+
+@pytest.mark.parametrize("body, field", [({"temperature": 101}, "temperature"), ({"seed": -2}, "seed"),
+                                         ({"top_p": 0}, "top_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                                         ({"min_tokens": 9, "max_tokens": 3}, "min_tokens")])
+def test_the_samplers_refusals_name_their_field_as_param(client, body, field):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=BASE_NAME, prompt="Hi", extra_body={"max_tokens": 3, **body})
+    assert err.value.param == field and field in str(err.value)
+
+
+def test_vllms_spellings_of_its_defaults_are_taken(client, srv):
+    """seed -1 (no seed), null penalties, chat top_logprobs 0 without logprobs, and a bias beyond +-100 (clamped to
+    the bound, as vLLM does) are accepted, each answering as its plain spelling does."""
+    rng = np.random.default_rng()
+    kw = {"model": BASE_NAME, "prompt": "Hi", "max_tokens": 6, "temperature": 0}
+
+    def ids(**extra):
+        r = client.completions.create(**kw, extra_body={"return_token_ids": True, **extra})
+        return r.choices[0].model_extra["token_ids"]
+
+    plain = ids()
+    assert ids(seed=-1) == plain  # greedy: no seed changes nothing
+    assert ids(presence_penalty=None, frequency_penalty=None, repetition_penalty=None) == plain
+    tok = int(rng.integers(10, srv.engine.cfg.vocab_size))
+    at_bound = ids(logit_bias={str(tok): 100}, ignore_eos=True)
+    assert at_bound == [tok] * 6 and ids(logit_bias={str(tok): 250}, ignore_eos=True) == at_bound
+    low = ids(logit_bias={str(plain[0]): -100})
+    assert low[0] != plain[0] and ids(logit_bias={str(plain[0]): -1e9}) == low
+    r = client.chat.completions.create(model=BASE_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       temperature=0, top_logprobs=0)
+    assert r.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=BASE_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       top_logprobs=1)
 
 
 def test_no_compile_after_warm_up(srv):

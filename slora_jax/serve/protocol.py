@@ -104,9 +104,9 @@ class _Request(BaseModel):
     n: int | None = 1  # samples (choices) to return; null: 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # vLLM extension
+    presence_penalty: float | None = 0.0  # null: the default, as vLLM takes it
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0  # vLLM extension
     min_tokens: int = 0  # vLLM extension
     logit_bias: dict[str, float] | None = None
     user: str | None = None
@@ -166,27 +166,28 @@ class _Request(BaseModel):
             temperature=1.0 if self.temperature is None else float(self.temperature),
             top_p=1.0 if self.top_p is None else float(self.top_p),
             top_k=0 if self.top_k is None else self.top_k,
-            seed=self.seed,
+            seed=None if self.seed == -1 else self.seed,  # vLLM: -1 is no seed (a random one)
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self._logit_bias(),
             min_tokens=self.min_tokens,
         ).validate()
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
-        """OpenAI's {"token id": bias} as (id, bias) pairs; keys must be decimal token ids."""
+        """OpenAI's {"token id": bias} as (id, bias) pairs; keys must be decimal token ids. Finite biases are
+        clamped to [-100, 100] as OpenAI documents the range and vLLM clamps; anything else is refused later."""
         pairs = []
         for key, bias in (self.logit_bias or {}).items():
             if not (key.isascii() and key.isdigit() and len(key) <= 10):
                 raise APIError(400, f"logit_bias keys must be token ids (decimal digits), got {key[:50]!r}",
                                "logit_bias")
-            pairs.append((int(key), bias))
+            pairs.append((int(key), min(100.0, max(-100.0, bias)) if math.isfinite(bias) else bias))
         return tuple(pairs)
 
 
@@ -303,7 +304,7 @@ class ChatCompletionRequest(_Request):
             self.max_tokens = self.max_completion_tokens
         super().check_supported()
         if self.top_logprobs is not None:
-            if not self.logprobs:
+            if self.top_logprobs and not self.logprobs:  # 0 without logprobs asks for nothing (vLLM's default)
                 raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",

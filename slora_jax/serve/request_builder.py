@@ -276,8 +276,9 @@ class RequestBuilder:
             check_text(s, "stop")
         try:
             sampling = req.sampling_params(default_max_tokens)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        except ValueError as e:  # the sampler's messages start with the field they refuse
+            field = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), field if field in type(req).model_fields else None) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         spec, grammar = self.grammars.compile_request(req) or (None, None)
         return PreparedRequest(kind, req.model, adapter, prompt_ids, sampling, req.return_token_ids, req.stream,
