@@ -329,7 +329,9 @@ PATH_CASES = [  # (id, lora_path or a function (uploads, outside) -> lora_path, 
     ("etc", "/etc", 403, "outside"),
 ]
 NAME_CASES = [("x" * 5000, "invalid request|the limit"), ("a\tb", "control"), ("a\x00b", "control"),
-              (" padded", "whitespace"), ("", "invalid request|empty"), (BASE_NAME, "base model")]
+              (" padded", "whitespace"), ("", "invalid request|empty"), (BASE_NAME, "base model"),
+              ("mix:0123456789abcdef", "kept for adapter mixes")]
+NAME_IDS = ["5000-chars", "tab", "nul", "padded", "empty", "base", "mix"]
 
 
 def _link(link: Path, target: Path) -> None:
@@ -597,7 +599,7 @@ def test_paths_inside_are_resolved(admin):
     assert admin.resolve_path("not-yet") == allowed / "not-yet"  # its load then says it is missing
 
 
-@pytest.mark.parametrize("name, fragment", NAME_CASES, ids=["5000-chars", "tab", "nul", "padded", "empty", "base"])
+@pytest.mark.parametrize("name, fragment", NAME_CASES, ids=NAME_IDS)
 def test_name_rules(admin, name, fragment):
     admin, _, _ = admin
     with pytest.raises(APIError, match=fragment) as info:
@@ -652,7 +654,7 @@ def test_http_path_rules(case_id, raw, status, fragment, srv, http):
     _refused(_load(http, f"path-{case_id}", raw), status, "4096" if len(raw) > 4096 else re.escape(fragment))
 
 
-@pytest.mark.parametrize("name, fragment", NAME_CASES, ids=["5000-chars", "tab", "nul", "padded", "empty", "base"])
+@pytest.mark.parametrize("name, fragment", NAME_CASES, ids=NAME_IDS)
 def test_http_name_rules(name, fragment, srv, http):
     write_good(srv.root / "uploads" / "named", srv.cfg)
     _refused(_load(http, name, "named"), 400, fragment)

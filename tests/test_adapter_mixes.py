@@ -294,6 +294,32 @@ def test_unregistering_a_part_drops_its_mixes(engine, adapter_dirs):
     engine.unregister_adapter("part-x")
 
 
+def test_an_adapter_is_not_unregistered_while_a_request_waits_for_it(engine, adapter_dirs):
+    """A waiting (or preempted) request holds no pin, yet it must finish on the adapter it asked for (as vLLM's queued
+    requests keep theirs): the unload is refused, whether the request names the adapter or a mix of it, and a
+    refused unload drops none of the part's mixes (they once went before the refusal). Names in the mixes' namespace
+    cannot be taken by an adapter."""
+    rng = np.random.default_rng()
+    engine.register_adapter("part-w", adapter_dirs["r4-qkvo"])
+    mix = engine.register_mix({"part-w": 0.7, "r8-all7": 0.3})
+    for adapter in ("part-w", mix):
+        rid = engine.add_request(_prompt(rng, engine.cfg.vocab_size), adapter, SamplingParams(max_tokens=4, **GREEDY))
+        assert engine.requests[rid].status.name == "WAITING"
+        via = "" if adapter == "part-w" else f" through its mix {mix!r}"
+        with pytest.raises(AdapterInUse, match=f"'part-w' is in use{via}: 1 request.* not finished"):
+            engine.unregister_adapter("part-w")
+        assert "part-w" in engine.store and mix in engine.store and mix in engine.mixes
+        while engine.requests[rid].status.name != "FINISHED":
+            engine.step()
+        assert engine.requests[rid].finish_reason == "length" and len(engine.requests[rid].output_ids) == 4
+        engine.release(rid)
+    engine.unregister_adapter("part-w")
+    assert "part-w" not in engine.store and mix not in engine.store and mix not in engine.mixes
+    with pytest.raises(ValueError, match="kept for adapter mixes"):
+        engine.register_adapter(mix, adapter_dirs["r4-qkvo"])
+    assert mix not in engine.store
+
+
 def test_old_unused_mixes_are_pruned_but_never_a_queued_or_recent_one(engine):
     rng = np.random.default_rng()
     names = [engine.register_mix({"r4-qkvo": float(w)}) for w in rng.uniform(0.1, 0.9, size=3)]
@@ -440,3 +466,26 @@ def test_http_unloading_a_part_unloads_its_mixes(client, http, srv):
     assert r.status_code == 200, r.text
     client.completions.create(model=BASE_NAME, prompt="Hi", max_tokens=2, extra_body={"adapters": mix})
     assert name in {a["name"] for a in http.get("/v1/adapters").json()["data"]}
+
+
+def test_a_part_whose_failure_may_pass_is_a_503_through_a_mix_too():
+    """A part whose read failed in a way that may pass (a disk away: ``retry_after_s`` set) answers 503 with
+    Retry-After, as the adapter itself would; a part's lasting failure stays a 400."""
+    from types import SimpleNamespace
+
+    from slora_jax.serve.protocol import APIError
+    from slora_jax.serve.request_builder import RequestBuilder
+
+    def builder(error):
+        def register_mix(parts):
+            raise error
+
+        engine = SimpleNamespace(cfg=SimpleNamespace(vocab_size=64, eos_token_id=[2]), register_mix=register_mix)
+        return RequestBuilder(engine, BASE_NAME, None, max_prompt_chars=100, threads=1)
+
+    with pytest.raises(APIError) as err:
+        builder(AdapterError("part-a", "its weights file is gone", 30.0)).mix_for(BASE_NAME, {"part-a": 1.0})
+    assert err.value.status == 503 and err.value.retry_after_s == 30.0 and "part-a" in err.value.message
+    with pytest.raises(APIError) as err:
+        builder(AdapterError("part-a", "rank 99 above the maximum")).mix_for(BASE_NAME, {"part-a": 1.0})
+    assert err.value.status == 400 and err.value.param == "adapters"

@@ -4,7 +4,10 @@ A mix (``slora_jax.lora.mixes``) is registered in the adapter store like any ada
 first time a request asks for it; later requests for the same parts and weights reuse it (its host rows and pool
 residency are the store's, as for any adapter). This registry adds the two rules a mix needs beyond that:
 
-* a mix is dropped with any of its parts (a part unregistered, or replaced, must not live on inside a mix);
+* a mix is dropped with any of its parts (a part unregistered, or replaced, must not live on inside a mix); a part
+  is not unregistered while a request that has not finished (running, waiting or preempted) uses it or one of its
+  mixes: that request finishes on the weights it asked for, as in vLLM, and a refused unload drops nothing;
+* the ``mix:`` names are the mixes' own: no adapter is registered under one;
 * mixes are bounded: past ``max_mixes``, the least recently asked-for ones are unregistered, except those a request
   waits for or runs with, an operator pinned, or that were asked for within ``grace_s`` (the request that asked may
   still be on its way to ``add_request``). Clients sending ever new weights therefore cannot grow the registry
@@ -22,8 +25,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 
-from slora_jax.engine.adapter_store import AdapterStore
-from slora_jax.lora.mixes import MAX_MIX_PARTS, MixParts, MixSource, canonical_parts, mix_name
+from slora_jax.engine.adapter_store import AdapterInUse, AdapterStore
+from slora_jax.lora.mixes import MAX_MIX_PARTS, MIX_PREFIX, MixParts, MixSource, canonical_parts, mix_name
 
 __all__ = ["DEFAULT_MAX_MIXES", "MIX_GRACE_S", "AdapterMixes"]
 
@@ -32,7 +35,8 @@ MIX_GRACE_S = 60.0
 
 
 class AdapterMixes:
-    """The mixes registered in ``store``. ``busy()`` yields the adapters of the requests waiting or running."""
+    """The mixes registered in ``store``. ``busy()`` yields the adapters of the requests not finished (one entry a
+    request)."""
 
     def __init__(self, store: AdapterStore, busy: Callable[[], Iterable[str | None]], *,
                  max_parts: int = MAX_MIX_PARTS, max_mixes: int = DEFAULT_MAX_MIXES, grace_s: float = MIX_GRACE_S):
@@ -88,11 +92,28 @@ class AdapterMixes:
         with self._lock:
             return self._parts.get(name)
 
+    def register_adapter(self, name: str, source, verify: bool = False) -> None:
+        """Any thread: an adapter (not a mix) into the store; ValueError for a name in the mixes' namespace, which
+        the mix of that name would later find taken (the store's own errors as they come)."""
+        if name.startswith(MIX_PREFIX):
+            raise ValueError(f"invalid adapter name {name[:300]!r}: names starting with {MIX_PREFIX!r} are kept for "
+                             "adapter mixes")
+        self.store.register(name, source, verify=verify)
+
     def drop(self, name: str, unregister: Callable[[str], None]) -> None:
         """Engine thread: ``unregister`` each mix built from ``name``, then ``name`` itself (a mix or not). Raises
-        what ``unregister`` raises (KeyError, AdapterInUse); the mixes dropped before that stay dropped."""
+        :class:`AdapterInUse` before dropping anything while a request not finished or a pin holds any of them;
+        else what ``unregister`` raises (KeyError for an unknown name)."""
         with self._lock:
-            for mix in [m for m, parts in self._parts.items() if any(p == name for p, _ in parts)]:
+            mixes = [m for m, parts in self._parts.items() if any(p == name for p, _ in parts)]
+            users = list(self.busy())
+            for held in [*mixes, name]:
+                requests, pins = users.count(held), self.store.pin_count(held)
+                if requests or pins:
+                    via = "" if held == name else f" through its mix {held!r}"
+                    raise AdapterInUse(f"adapter {name!r} is in use{via}: {requests} request(s) not finished "
+                                       f"(running, waiting or preempted) and {pins} pin(s); unload it once they end")
+            for mix in mixes:
                 unregister(mix)
                 self._forget(mix)
             unregister(name)

@@ -96,7 +96,8 @@ class Engine:
                                   dtype=np.dtype(dtype), max_host_adapters=ecfg.max_cpu_loras,
                                   max_staged=ecfg.max_staged_adapters, read_processes=ecfg.adapter_read_processes)
         self.scheduler = Scheduler(ecfg, self.pool, self.store)
-        self.mixes = AdapterMixes(self.store, lambda: [seq.adapter for seq in self.requests.values()])
+        done = Status.FINISHED
+        self.mixes = AdapterMixes(self.store, lambda: [s.adapter for s in self.requests.values() if s.status != done])
         self.runner = StepRunner(cfg, ecfg, interpret=interpret, tp=self.tp)
         self.penalty_rows = PenaltyRows(ecfg.max_batch_size)  # rows of runner.penalty_state
         self.requests: dict[str, Sequence] = {}
@@ -244,8 +245,7 @@ class Engine:
         """Queue the plan's step; returns (its token ids on the device, outputs of refused sequences).
 
         A sequence whose own inputs cannot be packed for the step (found before dispatch, the pool untouched) ends
-        with an error and leaves the plan; the others run as if it had never been there. ``next_ids`` is None when
-        no sequence is left."""
+        with an error and leaves the plan; the others run as if it never was (``next_ids`` None: none left)."""
         failed = []
         prepare_grammar_rows(plan.seqs, previous)  # masks; waits for the previous step if a grammar row needs it
         while plan.seqs:
@@ -395,11 +395,11 @@ class Engine:
     def register_adapter(self, name: str, source, verify: bool = False) -> None:
         """Thread-safe: serve ``source`` (a PEFT dir, a ``LoraAdapter`` or an ``AdapterSource``) as ``name``.
 
-        Raises :class:`AdapterError` with the reason for one we cannot serve, ValueError if the name is taken.
-        ``verify`` reads and checks every weight now (blocking on disk: call it off the engine thread), so a bad
+        Raises :class:`AdapterError` with the reason for one we cannot serve, ValueError if the name is taken or is
+        a mix's. ``verify`` reads and checks every weight now (blocking: call it off the engine thread), so a bad
         adapter never reaches a request; else only the config and shapes are checked and weights on first use.
         """
-        self.store.register(name, source, verify=verify)
+        self.mixes.register_adapter(name, source, verify)
 
     def register_mix(self, parts: dict[str, float]) -> str:
         """Thread-safe: the adapter serving ``parts`` ({adapter: weight}) as PEFT's ``cat`` mix, registered on first
@@ -407,8 +407,8 @@ class Engine:
         return self.mixes.register(parts)
 
     def unregister_adapter(self, name: str) -> None:
-        """Stop serving an adapter and the mixes built from it; KeyError if unknown, ``AdapterInUse`` while running
-        requests use it or one of those mixes."""
+        """Stop serving an adapter and the mixes built from it; KeyError if unknown, ``AdapterInUse`` while requests
+        not finished (waiting and preempted ones too) or pins hold it or one of those mixes (nothing dropped)."""
         self.mixes.drop(name, self._unregister)
 
     def _unregister(self, name: str) -> None:

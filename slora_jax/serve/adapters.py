@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..engine.adapter_store import TIERS, NoRoom
 from ..lora.adapter_files import inside
+from ..lora.mixes import MIX_PREFIX
 from ..lora.peft import AdapterError, AdapterNotAllowed
 from ..lora.sources import PeftDirSource
 from .engine_loop import EngineUnavailable
@@ -57,6 +58,9 @@ class AdapterAdmin:
             raise APIError(400, f"invalid adapter name {name!r}: it contains control characters", "lora_name")
         if name == self.base_name:
             raise APIError(400, f"invalid adapter name {name!r}: that is the base model's name", "lora_name")
+        if name.startswith(MIX_PREFIX):
+            raise APIError(400, f"invalid adapter name {name!r}: names starting with {MIX_PREFIX!r} are kept for "
+                           "adapter mixes", "lora_name")
 
     def resolve_path(self, raw: str) -> Path:
         """A runtime-load path, resolved, that is inside an allowed directory (403 otherwise); relative paths are

@@ -24,6 +24,7 @@ from typing import Literal
 from ..engine.engine import RequestRejected
 from ..engine.grammar import GrammarMatcher, GrammarSpec
 from ..engine.sampling import SamplingParams
+from ..lora.errors import AdapterError
 from .config import DEFAULT_TENANT_HEADER, MAX_TENANT_CHARS
 from .protocol import (
     APIError,
@@ -159,7 +160,9 @@ class RequestBuilder:
             return self.engine.register_mix(parts)  # thread-safe
         except KeyError as e:
             raise APIError(404, e.args[0], "adapters") from None
-        except ValueError as e:  # AdapterError included: a part that failed, a rank above the maximum
+        except AdapterError as e:  # a part that failed: 503 with Retry-After where that may pass, as for an adapter
+            raise APIError.of_adapter(e, 400, "adapters") from None
+        except ValueError as e:  # bad weights, a rank above the maximum
             raise APIError(400, str(e), "adapters") from None
 
     def check_chars(self, n_chars: int, field: str) -> None:
