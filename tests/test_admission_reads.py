@@ -17,10 +17,13 @@ from store_helpers import GatedSource
 
 from slora_jax.engine.adapter_store import AdapterStore
 from slora_jax.engine.config import EngineConfig
+from slora_jax.engine.engine import RequestRejected
 from slora_jax.engine.pool import PagedPool
 from slora_jax.engine.sampling import SamplingParams
 from slora_jax.engine.scheduler import Scheduler
 from slora_jax.engine.sequence import Sequence, Status
+from slora_jax.lora.errors import AdapterError
+from slora_jax.lora.sources import AdapterSource, InMemorySource
 
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -31,7 +34,7 @@ def _scheduler(cfg, host_budget_bytes=1 << 30, max_host_adapters=None, max_model
                          max_host_adapters=max_host_adapters)
     ecfg = EngineConfig(max_batch_size=8, max_prefill_tokens=64, max_prefill_seqs=4, max_model_len=max_model_len,
                         page_size=4, max_lora_rank=16, max_loras=3, num_pages=num_pages, dtype="float32",
-                        backend="reference", admit_while_loading=True, **kw)
+                        backend="reference", **{"admit_while_loading": True, **kw})
     return store, Scheduler(ecfg, pool, store)
 
 
@@ -178,5 +181,89 @@ def test_a_request_whose_resident_adapter_would_leave_too_few_pages_waits_withou
         while late.status == Status.WAITING:
             _step(sch)
         assert store.stats()["hits"] == hits + 1 and late.status == Status.RUNNING
+    finally:
+        store.close()
+
+
+class BrokenWeights(AdapterSource):
+    """An adapter whose config and shapes pass at registration and whose weights fail at first use."""
+
+    def __init__(self, adapter):
+        self.inner = InMemorySource(adapter)
+
+    def rank_table(self, name, model_cfg, max_rank):
+        return self.inner.rank_table(name, model_cfg, max_rank)
+
+    def load_rows(self, name, model_cfg, max_rank, dtype):
+        raise AdapterError(name, "has non-finite weights (NaN or inf)")
+
+
+@pytest.mark.parametrize("while_loading", [False, True])
+def test_a_request_whose_adapter_fails_at_first_use_on_an_idle_server_fails_once(tiny_cfg, while_loading):
+    """With nothing running admission tries twice (the second pass waits for reads); the request whose adapter
+    failed in the first pass was failed again in the second: two final outputs for one request."""
+    rng = np.random.default_rng()
+    store, sch = _scheduler(tiny_cfg, admit_while_loading=while_loading)
+    try:
+        store.register("bad", BrokenWeights(random_adapter(tiny_cfg, rng, "bad", ranks=(4,), targets=QKVO)))
+        seq = _seq(rng, "bad", 4)
+        sch.add(seq)
+        failed = []
+        for _ in range(3):
+            assert sch.schedule() is None
+            failed += sch.take_failed()
+            for s, _msg, _kind in failed:
+                if s.status != Status.FINISHED:
+                    sch.finish(s, "error")
+        assert [(s, kind) for s, _msg, kind in failed] == [(seq, "adapter")] and "non-finite" in failed[0][1]
+        assert not sch.waiting and seq.status == Status.FINISHED
+    finally:
+        store.close()
+
+
+def test_unused_cached_prefix_pages_go_before_a_resident_adapter(tiny_cfg):
+    """Loading an adapter for admission takes free pages, then unused cached prefix pages, and only then evicts an
+    adapter (recomputing a prefix is cheaper than reading an adapter again; was: adapters went first)."""
+    rng = np.random.default_rng()
+    adapters = {n: random_adapter(tiny_cfg, rng, n, ranks=(4,), targets=QKVO) for n in ("a0", "a1")}
+    probe, _ = _scheduler(tiny_cfg)
+    probe.register("a0", adapters["a0"])
+    pages = probe.adapter_pages("a0")
+    probe.close()
+    cached = 3  # the first request's prompt: three full pages, kept by the cache after it ends
+    store, sch = _scheduler(tiny_cfg, num_pages=2 * pages + cached - 1, max_model_len=48, prefix_cache=True)
+    try:
+        for name, adapter in adapters.items():
+            store.register(name, adapter)
+        first = Sequence(prompt_ids=rng.integers(3, 60, size=4 * cached).tolist() + [5], adapter="a0",
+                         sampling=SamplingParams(max_tokens=1))
+        sch.add(first)
+        while first.status != Status.FINISHED:
+            _step(sch)
+        assert store.is_resident("a0") and sch.prefix_cache.evictable_pages == cached
+        assert sch.pool.num_free_pages == pages - 1  # a1 does not fit in the free pages alone
+        late = Sequence(prompt_ids=rng.integers(3, 60, size=3).tolist(), adapter="a1",
+                        sampling=SamplingParams(max_tokens=1))
+        sch.add(late)
+        _step(sch)
+        assert late.status != Status.WAITING and store.is_resident("a1")
+        assert store.is_resident("a0"), "a resident adapter was evicted while unused cached pages were left"
+        assert sch.prefix_cache.stats()["evicted"] >= 1
+    finally:
+        store.close()
+
+
+def test_a_prompt_that_cannot_fit_without_max_tokens_blames_the_prompt(tiny_cfg):
+    """Without max_tokens the server picks it; a prompt that leaves no room in the pool is the prompt's fault (was:
+    "lower max_tokens", naming a field the client never sent)."""
+    store, sch = _scheduler(tiny_cfg, num_pages=8, max_model_len=48)  # the pool holds 32 tokens
+    try:
+        assert sch.check_request(20, None, None) == 12
+        with pytest.raises(RequestRejected, match="shorten the prompt") as err:
+            sch.check_request(32, None, None)
+        assert err.value.param == "prompt"
+        with pytest.raises(RequestRejected, match="lower max_tokens") as err:
+            sch.check_request(20, 13, None)
+        assert err.value.param == "max_tokens"
     finally:
         store.close()

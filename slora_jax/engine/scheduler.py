@@ -178,8 +178,12 @@ class Scheduler:
         max_len = self.ecfg.max_model_len
         self.check_prompt(n_prompt)
         room = self.kv_room(adapter)
+        if max_tokens is None and n_prompt >= room:  # the client set no max_tokens: the prompt is what cannot fit
+            raise RequestRejected(f"the prompt ({n_prompt} tokens) leaves no room for a token in the KV cache this "
+                                  f"server's pool holds next to the adapter ({room} tokens); shorten the prompt",
+                                  "prompt")
         if max_tokens is None:
-            max_tokens = max(1, room - n_prompt)
+            max_tokens = room - n_prompt
         total = n_prompt + max_tokens
         if total > max_len:
             raise RequestRejected(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds this model's "
@@ -241,6 +245,8 @@ class Scheduler:
         ecfg, page = self.ecfg, self.ecfg.page_size
         tokens, forks, passed = 0, set(), 0
         for seq in self.policy.order(self.waiting):
+            if seq.error is not None:  # its adapter failed this step (the first pass): the engine ends it once
+                continue
             n = seq.num_tokens
             if (len(batch) >= ecfg.max_prefill_seqs or len(self.running) + len(batch) >= ecfg.max_batch_size
                     or tokens + n > ecfg.max_prefill_tokens):
@@ -264,8 +270,9 @@ class Scheduler:
             if worst + adapter_pages + self._pinning_takes(seq.adapter) > self.obtainable_pages():
                 self._unshare(seq, shared)
                 break
-            # the store makes room for a load from free pages and unpinned adapters only: cached prefixes go first
-            short = adapter_pages - self.pool.num_free_pages - self.store.evictable_pages()
+            # the store makes room for a load from free pages and unpinned adapters: unused cached prefixes go
+            # before any adapter (recomputing a prefix is cheaper than reading an adapter again)
+            short = adapter_pages - self.pool.num_free_pages
             if short > 0 and self.prefix_cache:
                 self.prefix_cache.evict(short)
             slot = None
