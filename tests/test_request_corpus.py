@@ -83,7 +83,7 @@ COMMON_BAD = {
     "temperature": ["hot", [], -1, -1e-9, 100.5, 1e30, 1e308, NAN, INF, -INF, 2**1100],
     "top_p": ["x", {}, 0, -0.5, 1.0000001, 2, 1e30, NAN, INF, -INF],
     "top_k": ["x", [], -2, -(2**31), -(2**63), 1.5, 1e300, NAN, INF],
-    "seed": ["x", -1, -(2**63), 1.5, 2**63, 2**64, 10**30, 1e30, NAN],
+    "seed": ["x", -2, -(2**63), 1.5, 2**63, 2**64, 10**30, 1e30, NAN],  # -1 is vLLM's "no seed": taken
     "stop": [5, [5], [""], [None], {}, ["s"] * (MAX_STOP_STRINGS + 1), ["s" * (MAX_STOP_STRING_CHARS + 1)],
              "\ud800", ["a", "\udfff"]],
     "stop_token_ids": ["x", 5, [-1], [VOCAB], [2**31], [2**63], [10**30], [1.5], [None],
@@ -96,7 +96,8 @@ COMMON_BAD = {
     "frequency_penalty": [-3, 1e308, "x", INF],
     "repetition_penalty": [0, -1, 100.5, 1e308, "x", NAN, INF],
     "min_tokens": [-1, "x", 1.5, 3, 2**63, 10**30],  # 3: more than max_tokens
-    "logit_bias": [{"1": 101}, {"1": -100.5}, "x", {"1": "x"}, [1], {"x": 1}, {"-1": 1}, {"1.5": 1}, {"٣": 1},
+    # finite biases beyond +-100 are clamped, as vLLM does: taken, so not here
+    "logit_bias": [{"1": INF}, {"1": -INF}, "x", {"1": "x"}, [1], {"x": 1}, {"-1": 1}, {"1.5": 1}, {"٣": 1},
                    {str(VOCAB): 1}, {str(2**40): 1}, {"1": NAN}, {str(i): 1 for i in range(301)}],
     "user": [5, ["x"], {}],
     "return_token_ids": ["maybe", [], 2],

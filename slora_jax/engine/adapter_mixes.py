@@ -112,7 +112,8 @@ class AdapterMixes:
                 if requests or pins:
                     via = "" if held == name else f" through its mix {held!r}"
                     raise AdapterInUse(f"adapter {name!r} is in use{via}: {requests} request(s) not finished "
-                                       f"(running, waiting or preempted) and {pins} pin(s); unload it once they end")
+                                       f"(running, waiting or preempted) and {pins} pin(s) (running sequences' and "
+                                       "explicit pins); unload it once they end")
             for mix in mixes:
                 unregister(mix)
                 self._forget(mix)
