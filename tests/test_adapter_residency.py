@@ -19,7 +19,7 @@ from store_helpers import QKVO
 from slora_jax.engine.adapter_store import NoRoom
 from slora_jax.lora.peft import AdapterError
 from slora_jax.lora.sources import AdapterSource, InMemorySource
-from slora_jax.serve.metrics import OTHER, AdapterLabels, ServerMetrics
+from slora_jax.serve.metrics import MIXES, OTHER, AdapterLabels, ServerMetrics
 
 API_KEY = "residency-key"
 N_ADAPTERS = 16
@@ -256,6 +256,16 @@ def test_label_bound_is_sticky_and_counts_everything():
         assert set(samples) == {"a0", "a1", OTHER}, metric
         assert sum(samples.values()) == total and samples["a0"] == 1, metric
     assert 'slora_adapter_load_seconds_count{adapter="other",stage="pool"} 5.0' in text
+
+
+def test_every_mix_counts_under_one_label_and_takes_no_own_label():
+    """Clients sending ever new mix weights must not use up the own labels of the adapters requested after them."""
+    metrics = ServerMetrics(max_adapter_labels=2)
+    labels = metrics.adapter_labels
+    mixes = [f"mix:{i:016x}" for i in np.random.default_rng().integers(0, 2**62, size=5)]
+    assert {labels.grant(m) for m in mixes} == {MIXES} and {labels.label(m) for m in mixes} == {MIXES}
+    assert labels.grant("a0") == "a0" and labels.grant(MIXES) == OTHER and labels.grant("a1") == "a1"
+    assert labels.grant("a2") == OTHER and len(labels) == 2
 
 
 # ---- the API key --------------------------------------------------------------------------------------------------

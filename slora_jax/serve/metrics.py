@@ -14,6 +14,8 @@ import threading
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..lora.mixes import MIX_PREFIX
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
@@ -31,6 +33,7 @@ _STORE_STATS = ("pinned", "explicit_pins", "loading", "failed", "hits", "misses"
 _LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 MAX_ADAPTER_LABELS = 64  # adapters with a label of their own in the per-adapter series; the rest are OTHER
 OTHER = "other"
+MIXES = "mix"  # every adapter mix (``mix:...``): clients sending new weights must not use up the own labels
 # PrefixCache.stats() entries (its counters appear once they move: exported as 0 until then while the cache is on).
 _PREFIX_STATS = ("cached_pages", "unused_pages", "hit_pages", "miss_pages", "inserted", "evicted")
 
@@ -47,9 +50,10 @@ def _number(v) -> float | None:
 
 class AdapterLabels:
     """The adapter label of the per-adapter series. The first ``limit`` adapters that requests name get a label of
-    their own, for the life of the server; every other adapter (and one named like :data:`OTHER`) is counted under
-    ``OTHER``. Labels never move, so every series only grows: had the most used ``limit`` adapters been relabelled as
-    use shifts, an adapter leaving ``OTHER`` would make ``OTHER``'s counters fall. Thread-safe."""
+    their own, for the life of the server; every other adapter (and one named like :data:`OTHER` or :data:`MIXES`) is
+    counted under ``OTHER``, and every mix under :data:`MIXES`. Labels never move, so every series only grows: had
+    the most used ``limit`` adapters been relabelled as use shifts, an adapter leaving ``OTHER`` would make
+    ``OTHER``'s counters fall. Thread-safe."""
 
     def __init__(self, limit: int = MAX_ADAPTER_LABELS):
         self.limit = limit
@@ -60,14 +64,16 @@ class AdapterLabels:
         """``name``'s label, giving it one of its own while fewer than ``limit`` adapters have one."""
         if name in self._own:
             return name
+        if name.startswith(MIX_PREFIX):
+            return MIXES
         with self._lock:
-            if name != OTHER and len(self._own) < self.limit:
+            if name not in (OTHER, MIXES) and len(self._own) < self.limit:
                 self._own.add(name)
                 return name
         return OTHER
 
     def label(self, name: str) -> str:
-        return name if name in self._own else OTHER
+        return name if name in self._own else MIXES if name.startswith(MIX_PREFIX) else OTHER
 
     def __len__(self) -> int:
         return len(self._own)
