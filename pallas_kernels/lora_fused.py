@@ -217,11 +217,6 @@ def _pool_vectors(pool_ref, vec, mask, g: _Geom):
     return load(pool_ref.at[vec[..., None], lane[(None,) * vec.ndim + (slice(None),)]], mask=mask[..., None], other=0)
 
 
-def _gather(pool_ref, pages_ref, row: _Row, v, mask, g: _Geom):
-    """Pool vectors ``[*v.shape, V]`` of the row's virtual vectors ``v``; masked entries read nothing (zeros)."""
-    return _pool_vectors(pool_ref, _pool_index(pages_ref, row, v, mask, g), mask, g)
-
-
 def _pow2_tile(tile_elems: int, r_b: int, vdim: int, span: int) -> int:
     """Vectors per tile row: a power of two, >= 1, no more than ``span`` needs."""
     n = max(1, min(tile_elems // (r_b * vdim), next_pow2(span)))
