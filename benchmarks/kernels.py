@@ -470,10 +470,7 @@ LAYER_VARIANTS = {"fused": VARIANTS["fused"], "split": VARIANTS["split"],
                   "split_t4k_u4": FusedTuning(mode="split", tile_elems=4096, num_warps=4, unroll=4),
                   "fused_u2": FusedTuning(mode="fused", unroll=2),
                   # one rank class (the table's rows are all rank 16): does each class's branch cost registers?
-                  "split_t8k_c1": FusedTuning(mode="split", tile_elems=8192, num_warps=8, classes=1),
-                  # the split plan as one kernel, expand programs waiting on the shrink's counters (session 26)
-                  "sync_t8k": FusedTuning(mode="sync", tile_elems=8192, num_warps=8),
-                  "sync": FusedTuning(mode="sync")}
+                  "split_t8k_c1": FusedTuning(mode="split", tile_elems=8192, num_warps=8, classes=1)}
 def _chosen(variants: dict, names: str | None) -> dict:
     """``variants`` restricted to the comma-separated ``names`` (None: all; '': none)."""
     if names is None:

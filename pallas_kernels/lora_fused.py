@@ -11,12 +11,6 @@ per group from the static shapes by a small cost model (:func:`fused_plan`; ``Fu
   read twice); at small batch modules are cut into blocks so that more of the GPU works.
 * ``split`` (small batch and a long A, e.g. down_proj at batch 1): d_in split over programs that write fp32 partials
   [S, T, M, R], and an expand kernel that sums them itself (two kernels, nothing between them).
-* ``sync`` (a tuning, not the cost model's pick): the split plan as one kernel. The grid lists the shrink programs,
-  then the expand programs; a shrink program adds 1 to its (row, module) counter after writing its partial, an
-  expand program issues its B and base loads, then waits for the counter to reach the split count. Programs start
-  in grid order, so every shrink program runs before any expand program can wait on it (CPU interpret mode runs
-  them one by one in that order). What it saves: the expand's head (slot -> table -> pages -> B) runs while the
-  shrink streams A, and there is one kernel's fill and drain a group instead of two.
 
 Ranks mix freely: a row runs the branch of its rank class (the smallest of ``classes``, powers of two, that holds
 its rank), whose tiles are [class, chunks, V], so a rank-8 row in a max-rank-64 batch moves full tiles of its own
@@ -43,7 +37,6 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import lowering
 from pallas_kernels.lora_bgmv import bgmv_expand, bgmv_expand_reference, bgmv_shrink, bgmv_shrink_reference
 from pallas_kernels.lora_common import AdapterTable, block_module, layer_args, pick
 from pallas_kernels.lowering import any_spec, load, next_pow2, pallas_call, resolve_interpret, store
@@ -77,7 +70,7 @@ _I0 = np.int32(0)  # typed: jnp.where on two Python ints mis-lowers to i1 in Pal
 class FusedTuning(NamedTuple):
     """Static overrides of :func:`fused_plan` (``None`` = the plan's choice; hashable, pass as a static arg).
 
-    mode: "fused" | "split" | "sync"; vecs: output vectors (of V columns) per program; splits: d_in splits (split mode);
+    mode: "fused" | "split"; vecs: output vectors (of V columns) per program; splits: d_in splits (split mode);
     tile_elems: adapter elements per program step; num_warps; classes: how many rank classes; reduce_once: the
     shrink reduces over V once, after its loop, instead of at every step; unroll: tiles whose loads one loop step
     issues together (1: a tile a step).
@@ -120,7 +113,7 @@ def _estimate(mode, vecs, splits, tile, n_rows, n_chunks, out_vecs, vdim, rank, 
     b_blk = rank * min(vecs, max(out_vecs)) * vdim * itemsize
     resident = max(1, 16 // warps)  # programs per SM the registers allow, roughly
     tile_bytes, hbm = tile_elems * itemsize, n_rows * (a * len(out_vecs) + sum(bs))
-    if mode == "fused":  # ("sync" is the split estimate; it is never a candidate of the cost model)
+    if mode == "fused":
         return _kernel_us(n_rows * sum(blocks), a + b_blk, n_rows * (a * sum(blocks) + sum(bs)), hbm, tile_bytes,
                           resident)
     shrink = _kernel_us(n_rows * len(out_vecs) * splits, a / splits, n_rows * a * len(out_vecs),
@@ -151,7 +144,7 @@ def fused_plan(n_rows: int, n_chunks: int, out_vecs: tuple[int, ...], vdim: int,
         rank = min(top, PLAN_RANK)
         cands = []
         for mode, vecs, tile in itertools.product(modes, vec_opts, tiles):
-            for splits in (split_opts if mode != "fused" else [1]):
+            for splits in (split_opts if mode == "split" else [1]):
                 est = _estimate(mode, vecs, splits, tile, n_rows, n_chunks, out_vecs, vdim, rank, itemsize)
                 cands.append((mode, vecs, splits, tile, est))
         # cheapest; ties (within 2%) go to fused, then to fewer, larger programs
@@ -159,7 +152,7 @@ def fused_plan(n_rows: int, n_chunks: int, out_vecs: tuple[int, ...], vdim: int,
         cands = [c for c in cands if c[4] <= best * 1.02]
         cands.sort(key=lambda c: (c[0] != "fused", -c[1], c[2], c[3][0], c[4]))
     mode, vecs, splits, (tile_elems, warps), est = cands[0]
-    if mode not in ("fused", "split", "sync"):
+    if mode not in ("fused", "split"):
         raise ValueError(f"unknown fused LoRA mode {mode!r}")
     vecs = min(vecs, next_pow2(max(out_vecs)))
     splits = min(splits, n_chunks)
@@ -370,61 +363,6 @@ def _split_expand_kernel(layer_ref, lbase_ref, slot_ref, rank_ref, boff_ref, sca
     _by_class(row, g.classes, body)
 
 
-def _sync_kernel(layer_ref, lbase_ref, slot_ref, rank_ref, aoff_ref, boff_ref, scale_ref, pages_ref, x_ref, pool_ref,
-                 base_ref, _cnt_in, out_ref, y_ref, cnt_ref, *, g: _Geom, n_shrink: int, interpret: bool):
-    """The split plan in one kernel: programs [0, n_shrink) are the shrink's (split, module, row), the rest the
-    expand's (block, row). ``cnt_ref[t * M + i]`` counts the splits of (row t, module i) written to ``y_ref``."""
-    pid = pl.program_id(0)
-    n_mod = len(g.modules)
-
-    @pl.when(pid < n_shrink)
-    def _shrink_program():
-        sp, rest = lax.rem(pid, g.splits), lax.div(pid, g.splits)
-        i, t = lax.rem(rest, n_mod), lax.div(rest, n_mod)
-        m = pick(i, g.modules)
-        row = _row(layer_ref, lbase_ref, slot_ref, rank_ref, t, m)
-        a_off = aoff_ref[row.s, row.layer, m]
-        lo = sp * g.chunks_per_split
-        hi = jnp.minimum(lo + g.chunks_per_split, g.n_chunks)
-
-        def body(r_b):
-            u = _shrink(x_ref, pool_ref, pages_ref, row, a_off, r_b, lo, hi, g.chunks_per_split, g)
-            store(y_ref.at[sp, t, i, jnp.arange(r_b, dtype=jnp.int32)], u)
-            lowering.barrier(interpret)  # every thread's part of u is stored before the count says so (release)
-            lowering.atomic_add(cnt_ref, (t * n_mod + i,), np.int32(1))
-
-        _by_class(row, g.classes, body)
-
-    @pl.when(pid >= n_shrink)
-    def _expand_program():
-        q = pid - n_shrink
-        n_blocks = g.blk_starts[-1] + -(-g.out_vecs[-1] // g.vecs)
-        j, t = lax.rem(q, n_blocks), lax.div(q, n_blocks)
-        i, m, n_out, col0, first = _block(j, g)
-        row = _row(layer_ref, lbase_ref, slot_ref, rank_ref, t, m)
-        b_off, scale = boff_ref[row.s, row.layer, m], scale_ref[row.s, row.layer, m]
-        sv = jnp.arange(next_pow2(g.splits), dtype=jnp.int32)
-        idx = t * n_mod + i
-
-        def body(r_b):
-            def u_fn():  # wait (acquire) for every split of (t, i), then sum the partials (volatile: not from L1)
-                def count(_):
-                    return lowering.atomic_add(cnt_ref, (idx,), np.int32(0))
-
-                if interpret:  # programs ran in grid order: the count is complete, or the kernel is wrong (NaN)
-                    ready = count(None) == g.splits
-                else:
-                    ready = lax.while_loop(lambda c: c < g.splits, count, _I0) == g.splits
-                k = jnp.arange(r_b, dtype=jnp.int32)
-                parts = load(y_ref.at[sv[:, None], t, i, k[None, :]], mask=(sv < g.splits)[:, None], other=0.0,
-                             volatile=not interpret)
-                return jnp.where(ready, jnp.sum(parts, axis=0) * scale, jnp.nan)
-
-            _expand(pool_ref, pages_ref, base_ref, out_ref, row, b_off, n_out, col0, first, r_b, g, u_fn)
-
-        _by_class(row, g.classes, body)
-
-
 @functools.partial(jax.jit, static_argnames=("modules", "max_rank", "d_outs", "interpret", "tuning"))
 def bgmv_lora(x: jax.Array, base: jax.Array, pool: jax.Array, layer, row_slot: jax.Array, table: AdapterTable,
               modules: tuple[int, ...], max_rank: int, d_outs: tuple[int, ...], interpret: bool | None = None, *,
@@ -463,19 +401,9 @@ def bgmv_lora(x: jax.Array, base: jax.Array, pool: jax.Array, layer, row_slot: j
         return out
     n_splits = -(-n_chunks // g.chunks_per_split)  # splits that have chunks to do
     g = g._replace(splits=n_splits)
-    y_shape = jax.ShapeDtypeStruct((n_splits, n_rows, n_mod, p.classes[-1]), _F32)
-    if p.mode == "sync":
-        n_shrink = n_splits * n_mod * n_rows
-        cnt = jnp.zeros((n_rows * n_mod,), jnp.int32)
-        out, _, _ = call(functools.partial(_sync_kernel, g=g, n_shrink=n_shrink, interpret=interpret),
-                         out_shape=(out_shape, y_shape, jax.ShapeDtypeStruct(cnt.shape, cnt.dtype)),
-                         out_specs=(any_spec(),) * 3, grid=(n_shrink + n_blocks * n_rows,),
-                         in_specs=[any_spec()] * 12, input_output_aliases={10: 0, 11: 2}, name="lora_bgmv_sync")(
-            *lay, slot, table.rank, table.a_off, table.b_off, table.scale, table.pages, xv, poolv, base, cnt)
-        return out
     y = call(functools.partial(_split_shrink_kernel, g=g), grid=(n_splits, n_mod, n_rows), in_specs=[any_spec()] * 8,
-             out_shape=y_shape, name="lora_bgmv_split_shrink")(
-        *lay, slot, table.rank, table.a_off, table.pages, xv, poolv)
+             out_shape=jax.ShapeDtypeStruct((n_splits, n_rows, n_mod, p.classes[-1]), _F32),
+             name="lora_bgmv_split_shrink")(*lay, slot, table.rank, table.a_off, table.pages, xv, poolv)
     out = call(functools.partial(_split_expand_kernel, g=g), out_shape=out_shape, grid=(n_blocks, n_rows),
                in_specs=[any_spec()] * 10, input_output_aliases={9: 0}, name="lora_bgmv_split_expand")(
         *lay, slot, table.rank, table.b_off, table.scale, table.pages, y, poolv, base)

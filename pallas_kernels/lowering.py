@@ -28,13 +28,6 @@ store = pltriton.store
 atomic_add = pltriton.atomic_add
 
 
-def barrier(interpret: bool) -> None:
-    """Every thread of the program waits here (``bar.sync``), so one thread's atomic after it publishes the stores
-    all threads made before it. Interpret mode runs a program as one thread and has no rule for it: nothing."""
-    if not interpret:
-        pltriton.debug_barrier()
-
-
 @functools.cache
 def default_interpret() -> bool:
     """Interpret on machines without a GPU (CPU tests and CI)."""
