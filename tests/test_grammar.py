@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from slora_jax.engine.grammar import (
+    MAX_CHOICES,
     GrammarCompiler,
     GrammarError,
     GrammarSpec,
@@ -103,6 +104,24 @@ def test_json_object_walk_is_an_object_or_a_valid_prefix(compiler, tokenizer):
             assert isinstance(json.loads(text), dict)
 
 
+@pytest.mark.parametrize("spec", [
+    GrammarSpec("choice", [f"c{i}" for i in range(MAX_CHOICES)]),  # the most a choice may have
+    GrammarSpec("json_schema", {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}),
+], ids=["choice-max", "600-optional-properties"])
+def test_wide_grammars_that_compile_also_run(compiler, tokenizer, spec):
+    """A grammar that passes the compile check must not fail on a later token: llguidance's items-per-row limit
+    (its default 2000) once let these compile, then fail after the first token (a 200 with an error event)."""
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        m = compiler.compile(spec)
+        for _ in range(6):
+            allowed = allowed_tokens(m.mask(), VOCAB)
+            assert m.error is None and allowed.size, m.error
+            if m.is_done():
+                break
+            assert m.accept(int(rng.choice(allowed[allowed != EOS] if (allowed != EOS).any() else allowed))), m.error
+
+
 def test_first_choice_mask_is_every_token_that_starts_a_choice(compiler, tokenizer):
     choices = ["apple", "banana pie", "cherry"]
     mask = compiler.compile(GrammarSpec("choice", choices)).mask()
@@ -146,7 +165,7 @@ def test_a_token_outside_the_grammar_breaks_the_matcher(compiler, tokenizer):
     (GrammarSpec("choice", ["a", 3]), "non-empty list"),
     (GrammarSpec("grammar", "start: foo"), "foo"),
     (GrammarSpec("regex", "\ud800"), "surrogates"),
-    (GrammarSpec("choice", ["c"] * 2001), "at most 2000"),
+    (GrammarSpec("choice", ["c"] * (MAX_CHOICES + 1)), f"at most {MAX_CHOICES}"),
     (GrammarSpec("json_schema", {"$ref": "#"}), "cannot compile"),  # fails at its first mask
 ])
 def test_bad_grammars_raise_with_the_reason(compiler, spec, reason):

@@ -30,11 +30,13 @@ JSON_DEFAULTS = {"whitespace_flexible": False}
 # Parser limits for untrusted grammars (llguidance's units): bound compile work and each step's mask work. The
 # initial lexer fuel is under llguidance's default (1M) so that a regex like a{100000}, whose every mask would take
 # ~100 ms of the engine thread, is refused when it is compiled; a 40-property schema with patterns uses far less.
+# Items in one parser row: llguidance's default (2000) let a 2000-string choice or a ~500-property schema compile and
+# then fail after its first token; 12000 serves ~3000 properties (masks of a few ms), step_max_items bounds a step.
 LIMITS = dict(initial_lexer_fuel=300_000, step_lexer_fuel=200_000, step_max_items=50_000, max_grammar_size=200_000,
-              verbose_errors=False)
+              max_items_in_row=12_000, verbose_errors=False)
 DEEP_STACK_BYTES = 512 << 20  # the compiling thread's stack (see on_deep_stack)
 _STACK_SIZE_LOCK = threading.Lock()
-MAX_CHOICES = 2000  # llguidance's alternatives per grammar row (max_items_in_row): refused at once beyond it
+MAX_CHOICES = 2000  # strings of a choice (a row of n + 1 items, well inside max_items_in_row): refused beyond it
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
