@@ -190,6 +190,11 @@ def test_openai_parse_with_a_pydantic_model(client, srv):
         assert len(person.name) <= 8 and 0 <= person.age <= 120
 
 
+NESTED: dict = {"type": "object"}
+for _ in range(300):
+    NESTED = {"type": "object", "properties": {"a": NESTED}}
+
+
 @pytest.mark.parametrize("body, reason", [
     ({"guided_regex": "(("}, "unclosed group"),
     ({"guided_json": {"type": "objectx"}}, "objectx"),
@@ -203,6 +208,11 @@ def test_openai_parse_with_a_pydantic_model(client, srv):
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "only one"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
     ({"guided_grammar": "start: undefined_rule"}, "undefined_rule"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " *"}}, "whitespace_pattern is not supported"),
+    ({"structured_outputs": {"regex": "a", "structural_tag": "{}"}}, "structural_tag is not supported"),
+    ({"structured_outputs": {"regex": "a", "backend": "xgrammar"}}, "unknown key 'backend'"),
+    ({"structured_outputs": {"json": {}, "disable_additional_properties": "yes"}}, "must be true or false"),
+    ({"structured_outputs": {"json": NESTED, "disable_additional_properties": True}}, "more than 200 levels"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_grammars_are_400_with_the_reason(client, body, reason, stream):
@@ -223,3 +233,36 @@ def test_text_format_and_good_requests_after_bad_ones(client):
     r = client.completions.create(model=BASE_NAME, prompt="hi", max_tokens=20, temperature=1.0,
                                   extra_body={"guided_choice": ["yes", "no"]})
     assert r.choices[0].text in ("yes", "no") and r.choices[0].finish_reason == "stop"
+
+
+def test_disable_additional_properties_closes_every_object(client):
+    """vLLM's structured_outputs option: only the schema's named properties, at every level (it used to be
+    ignored, and the model wrote properties the client had asked to forbid)."""
+    schema = {"type": "object", "required": ["x", "properties"],
+              "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99},
+                             "properties": {"type": "object", "required": ["y"],  # a property named "properties"
+                                            "properties": {"y": {"type": "boolean"}}}}}
+    r = client.completions.create(model=BASE_NAME, prompt="JSON:", max_tokens=MAX_TOKENS, temperature=1.0, n=8,
+                                  extra_body={"structured_outputs": {"json": schema, "disable_fallback": True,
+                                                                     "disable_additional_properties": True}})
+    for choice in r.choices:
+        value = json.loads(choice.text)
+        assert choice.finish_reason == "stop" and set(value) == {"x", "properties"}, choice.text
+        assert set(value["properties"]) == {"y"}, choice.text
+
+
+def test_closed_objects_follows_schema_keywords_only():
+    from slora_jax.serve.structured import closed_objects
+
+    schema = {"$defs": {"p": {"type": "object", "properties": {"a": {"type": "string"}}}},
+              "anyOf": [{"$ref": "#/$defs/p"}, {"type": ["object", "null"]}],
+              "properties": {"properties": {"type": "object"}, "type": {"type": "array", "items": {"properties": {}}}},
+              "additionalProperties": True}
+    got = closed_objects(schema)
+    assert got["additionalProperties"] is True  # the schema's own choice stays
+    assert got["$defs"]["p"]["additionalProperties"] is False
+    assert got["anyOf"][1]["additionalProperties"] is False and "additionalProperties" not in got["anyOf"][0]
+    assert got["properties"]["properties"] == {"type": "object", "additionalProperties": False}
+    assert set(got["properties"]) == {"properties", "type"}  # property names are not schemas
+    assert got["properties"]["type"]["items"] == {"properties": {}, "additionalProperties": False}
+    assert "additionalProperties" not in schema["$defs"]["p"]  # a copy: the request's body is left as it was
