@@ -140,6 +140,17 @@ def test_chat_add_special_tokens_adds_bos_on_top_of_the_template(http, hf_tok):
     assert tokenize(http, messages=CHAT, add_special_tokens=True)["tokens"] == [hf_tok.bos_token_id] + plain
 
 
+def test_add_special_tokens_reaches_the_generation_routes(http, hf_tok):
+    """vLLM's ``add_special_tokens`` on completions (default true) and chat (default false) is honoured as
+    ``/tokenize`` honours it (both routes used to ignore it)."""
+    for special in (True, False):
+        want = tokenize(http, prompt=PROMPTS[1], add_special_tokens=special)["tokens"]
+        assert generation_prompt_ids(http, "/v1/completions", prompt=PROMPTS[1], add_special_tokens=special) == want
+        want = tokenize(http, messages=CHAT, add_special_tokens=special)["tokens"]
+        assert generation_prompt_ids(http, "/v1/chat/completions", messages=CHAT, add_special_tokens=special) == want
+    assert want.count(hf_tok.bos_token_id) == 1  # chat without: the template's BOS only
+
+
 def test_defaults_per_form_are_vllms_even_when_null(http):
     """``add_special_tokens: null`` is the form's default; false flags of unimplemented fields are accepted."""
     assert tokenize(http, prompt="hi", add_special_tokens=None) == tokenize(http, prompt="hi")
@@ -218,6 +229,24 @@ BAD = {  # id: (path, body, status, message fragment, param)
                             "mm_processor_kwargs"),
     "chat_template-with-prompt": ("/tokenize", {"prompt": "hi", "chat_template": "x"}, 400, "not supported",
                                   "chat_template"),
+    "tool_calls": ("/tokenize", {"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400, "tool_calls",
+                   "messages"),
+    "tool_call_id": ("/tokenize", {"messages": [*CHAT, {"role": "tool", "content": "1", "tool_call_id": "c1"}]},
+                     400, "tool_call_id", "messages"),
+    # the chat route refuses what /tokenize refuses: both build the prompt one way, or neither answers
+    "chat-chat_template": ("/v1/chat/completions", {"model": BASE_NAME, "messages": CHAT, "chat_template": "{{ 'X' }}"},
+                           400, "not supported", "chat_template"),
+    "chat-chat_template_kwargs": ("/v1/chat/completions", {"model": BASE_NAME, "messages": CHAT,
+                                                           "chat_template_kwargs": {"enable_thinking": False}},
+                                  400, "not supported", "chat_template_kwargs"),
+    "chat-mm_processor_kwargs": ("/v1/chat/completions", {"model": BASE_NAME, "messages": CHAT,
+                                                          "mm_processor_kwargs": {"a": 1}}, 400, "not supported",
+                                 "mm_processor_kwargs"),
+    "chat-documents": ("/v1/chat/completions", {"model": BASE_NAME, "messages": CHAT, "documents": [{"t": "x"}]}, 400,
+                       "not supported", "documents"),
+    "chat-tool_calls": ("/v1/chat/completions", {"model": BASE_NAME, "messages": [{"role": "assistant", "content": "",
+                                                 "tool_calls": [{"id": "c1"}]}]}, 400, "tool_calls", "messages"),
     "prompt-not-a-string": ("/tokenize", {"prompt": 123}, 400, "prompt", None),
     "prompt-token-ids": ("/tokenize", {"prompt": [1, 2, 3]}, 400, "prompt", None),
     "add_special_tokens-not-bool": ("/tokenize", {"prompt": "hi", "add_special_tokens": "maybe"}, 400,

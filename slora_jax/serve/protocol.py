@@ -118,6 +118,9 @@ class _Request(BaseModel):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM extension: token ids of the prompt and the output in the response
+    # vLLM extension: the tokenizer's special tokens (BOS) on the prompt; null: the route's default (completions
+    # true, chat false: the template writes them)
+    add_special_tokens: bool | None = None
     # our extension: this request's first-token deadline in seconds (overrides --first-token-slo-s); a number only
     first_token_slo_s: float | None = Field(None, strict=True)
     # our extension: a weighted mix of loaded adapters served as one (PEFT's "cat" combination); numbers only
@@ -275,6 +278,20 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any] | str] | None = None
+    name: str | None = None  # passed to the chat template, as vLLM does
+    # a tool call's history: refused when set (tools are not supported; dropping them would change the prompt)
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+
+    def template_fields(self) -> dict[str, str]:
+        """What the chat template gets of this message; 400 for the fields we cannot pass on."""
+        if self.tool_calls or self.tool_call_id:
+            raise APIError(400, "messages with tool_calls or tool_call_id are not supported (tools are not)",
+                           "messages")
+        out = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         """The message's text: a list of parts gives its parts' texts joined by :data:`PART_SEPARATOR`; a part that
@@ -295,7 +312,9 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True  # vLLM extension
     # vLLM's chat extensions that change the prompt or the answer's text, also unimplemented
     vllm_unimplemented: ClassVar[dict[str, Any]] = {**VLLM_UNIMPLEMENTED, "echo": False,
-                                                    "continue_final_message": False}
+                                                    "continue_final_message": False, "chat_template": None,
+                                                    "chat_template_kwargs": {}, "mm_processor_kwargs": {},
+                                                    "media_io_kwargs": {}, "documents": []}
 
     def check_supported(self) -> None:
         if self.max_completion_tokens is not None:
@@ -343,7 +362,7 @@ class PinLoraRequest(BaseModel):
 # vLLM's /tokenize fields that we do not implement, each with vLLM's default: set to anything else (a value that is
 # not empty, false or null) they are refused with a 400 naming them, as for generation (VLLM_UNIMPLEMENTED)
 TOKENIZE_UNIMPLEMENTED = ("continue_final_message", "chat_template", "chat_template_kwargs", "tools",
-                          "mm_processor_kwargs", "media_io_kwargs")
+                          "mm_processor_kwargs", "media_io_kwargs", "documents")
 
 
 class TokenizeRequest(BaseModel):

@@ -189,7 +189,8 @@ class RequestBuilder:
         req.check_supported()
         adapter = self.adapter_for(req)
         prompt = req.single_prompt()
-        prompt_ids = self.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+        special = req.add_special_tokens is not False  # vLLM's default for completions: true
+        prompt_ids = self.encode(prompt, add_special_tokens=special) if isinstance(prompt, str) else list(prompt)
         prepared = self._prepared("completion", req, adapter, prompt_ids, COMPLETION_DEFAULT_MAX_TOKENS, tenant)
         self.check_tokens(len(prompt_ids))
         if req.echo:  # the answer starts with the prompt's text
@@ -204,7 +205,7 @@ class RequestBuilder:
         if not self.has_tokenizer:
             raise APIError(400, "this server has no tokenizer, so chat is unavailable; use /v1/completions with "
                            "token ids")
-        prompt_ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt)
+        prompt_ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
         prepared = self._prepared("chat", req, adapter, prompt_ids, None, tenant)
         self.check_tokens(len(prompt_ids))
         return self._with_mix(req, prepared)
@@ -214,11 +215,11 @@ class RequestBuilder:
         """The prompt ids of a chat: its messages through the tokenizer's chat template (``FALLBACK_CHAT_TEMPLATE``
         without one), encoded without special tokens (the template writes them) unless ``add_special_tokens``. The
         one path of ``/v1/chat/completions`` and ``/tokenize``, so the two give the same ids. In a worker thread."""
-        messages = [{"role": m.role, "content": m.text()} for m in chat]
-        self.check_chars(sum(len(m["role"]) + len(m["content"]) + MESSAGE_OVERHEAD_CHARS for m in messages),
-                         "messages")
+        messages = [m.template_fields() for m in chat]
+        self.check_chars(sum(sum(map(len, m.values())) + MESSAGE_OVERHEAD_CHARS for m in messages), "messages")
         for m in messages:
-            check_text(m["content"], "messages")
+            for text in m.values():
+                check_text(text, "messages")
         tok = self.threads.tokenizer()
         template = getattr(tok, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
         try:
