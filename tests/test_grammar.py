@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from slora_jax.engine.grammar import (
+    CACHED_GRAMMARS,
     MAX_CHOICES,
     GrammarCompiler,
     GrammarError,
@@ -262,7 +263,7 @@ def test_deep_stack_runs_inline_when_no_thread_can_start(compiler, monkeypatch):
         raise RuntimeError("can't start new thread")
 
     monkeypatch.setattr(threading.Thread, "start", refuse)
-    compiler.compile(GrammarSpec("regex", "ab+"))
+    compiler.compile(GrammarSpec("regex", "ab*c"))  # not compiled before: "ab+" would come from the cache
     assert names == ["slora-grammar-compile", "slora-grammar-compile", threading.current_thread().name]
     assert threading.stack_size() == before
 
@@ -334,3 +335,30 @@ def test_a_fork_advances_on_its_own(compiler, tokenizer):
     assert m.accepted == 0 and twin.accepted > 0
     assert not np.array_equal(twin.mask(), m.mask())
     assert twin.catch_up(tokenizer.encode("abd", add_special_tokens=False)) and twin.is_done() and not m.is_done()
+
+
+def test_a_grammar_compiled_again_comes_from_the_cache_and_forks(tokenizer):
+    """One schema sent with every request compiles once; each request still gets its own matcher, and a schema
+    whose properties come in another order (another output order) is another grammar."""
+    compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,))
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "b": {"type": "boolean"}}, "required": ["a", "b"]}
+    first = compiler.compile(GrammarSpec("json_schema", schema))
+    second = compiler.compile(GrammarSpec("json_schema", json.loads(json.dumps(schema))))
+    assert compiler.compiles == 1 and second is not first
+    rng = np.random.default_rng(9)
+    text = tokenizer.decode(_walk(first, rng), skip_special_tokens=True)  # advancing one leaves the other
+    assert list(json.loads(text)) == ["a", "b"] and second.accepted == 0
+    assert list(json.loads(tokenizer.decode(_walk(second, rng), skip_special_tokens=True))) == ["a", "b"]
+    swapped = {**schema, "properties": {"b": schema["properties"]["b"], "a": schema["properties"]["a"]}}
+    third = compiler.compile(GrammarSpec("json_schema", swapped))
+    assert compiler.compiles == 2
+    assert list(json.loads(tokenizer.decode(_walk(third, rng), skip_special_tokens=True))) == ["b", "a"]
+    for i in range(CACHED_GRAMMARS):  # the least recently used is dropped: schema's entry goes, swapped's stays
+        compiler.compile(GrammarSpec("regex", f"x{i}"))
+        if i == 0:
+            compiler.compile(GrammarSpec("json_schema", swapped))
+    compiler.compile(GrammarSpec("json_schema", swapped))
+    assert compiler.compiles == 2 + CACHED_GRAMMARS
+    compiler.compile(GrammarSpec("json_schema", schema))
+    assert compiler.compiles == 3 + CACHED_GRAMMARS

@@ -266,3 +266,30 @@ def test_closed_objects_follows_schema_keywords_only():
     assert set(got["properties"]) == {"properties", "type"}  # property names are not schemas
     assert got["properties"]["type"]["items"] == {"properties": {}, "additionalProperties": False}
     assert "additionalProperties" not in schema["$defs"]["p"]  # a copy: the request's body is left as it was
+
+
+def test_slow_grammars_hold_up_no_plain_request(srv, client, monkeypatch):
+    """Grammars compile in threads of their own: six requests whose grammar takes long (held here) leave every
+    tokenizer thread free, so a plain completion meanwhile is answered at once. (They compiled in the tokenizer
+    threads, and four slow schemas held up every request behind them.)"""
+    import concurrent.futures
+    import threading
+
+    compiler = srv.server.app.state.ctx.requests.grammars.compiler
+    gate, real = threading.Event(), compiler.compile
+
+    def held(spec, *args, **kw):
+        gate.wait(60)
+        return real(spec, *args, **kw)
+
+    monkeypatch.setattr(compiler, "compile", held)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        slow = [pool.submit(client.completions.create, model=BASE_NAME, prompt="hi", max_tokens=8, temperature=1.0,
+                            extra_body={"guided_choice": [f"yes{i}", f"no{i}"]}) for i in range(6)]
+        try:
+            plain = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=20)
+            r = plain.completions.create(model=BASE_NAME, prompt="hi", max_tokens=2, temperature=0)
+            assert r.choices[0].finish_reason == "length" and not any(f.done() for f in slow)
+        finally:
+            gate.set()
+        assert all(f.result().choices[0].text in (f"yes{i}", f"no{i}") for i, f in enumerate(slow))

@@ -5,13 +5,16 @@ llguidance, not xgrammar: its wheel is one abi3 binary with no Python dependenci
 image's Python as a carried wheel), it computes a mask lazily per token (tens of microseconds on the demo
 vocabulary; no per-grammar precompile over the whole vocabulary), and vLLM, SGLang and llama.cpp ship it.
 
-Thread use: :class:`GrammarCompiler` is thread-safe (the server compiles in its tokenizer threads, off the event
-loop and the engine thread, and computes the first mask there too); a :class:`GrammarMatcher` belongs to one thread
-at a time (the engine thread once the request is queued).
+Thread use: :class:`GrammarCompiler` is thread-safe (the server compiles in a grammar thread of its own, off the
+event loop, the tokenizer threads and the engine thread, and computes the first mask there too); a
+:class:`GrammarMatcher` belongs to one thread at a time (the engine thread once the request is queued). The compiler
+keeps the last :data:`CACHED_GRAMMARS` grammars it compiled, so an application that sends one schema with every
+request compiles it once.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import threading
@@ -36,6 +39,7 @@ LIMITS = dict(initial_lexer_fuel=300_000, step_lexer_fuel=200_000, step_max_item
               max_items_in_row=12_000, verbose_errors=False)
 DEEP_STACK_BYTES = 512 << 20  # the compiling thread's stack (see on_deep_stack)
 _STACK_SIZE_LOCK = threading.Lock()
+CACHED_GRAMMARS = 64  # compiled grammars kept per compiler, least recently used dropped first
 MAX_CHOICES = 2000  # strings of a choice (a row of n + 1 items, well inside max_items_in_row): refused beyond it
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
@@ -53,6 +57,14 @@ class GrammarSpec:
 
     kind: Kind
     source: Any = None
+
+    def cache_key(self) -> str | None:
+        """The spec as text (None if it is not JSON data). Key order is kept: a schema's property order is the order
+        of its output, so two schemas that differ only in it are different grammars."""
+        try:
+            return json.dumps([self.kind, self.source], ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError):  # nesting too deep is refused when it compiles
+            return None
 
     def llguidance_grammar(self) -> str:
         """The llguidance grammar text (nothing is checked here: compiling checks)."""
@@ -129,18 +141,32 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] | int):
         self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
         self.eos_token_ids = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
-        self.compiles = 0  # grammars compiled (not counting failures)
+        self.compiles = 0  # grammars compiled (not counting failures, nor those served from the cache)
+        self._cache: collections.OrderedDict[str, GrammarMatcher] = collections.OrderedDict()
+        self._cache_lock = threading.Lock()
 
     def compile(self, spec: GrammarSpec, first_mask: bool = True) -> GrammarMatcher:
         """A fresh matcher for ``spec``; raises :class:`GrammarError` with llguidance's reason. ``first_mask``
-        also computes the mask of the first token now (in the calling thread, off the engine's path)."""
+        also computes the mask of the first token now (in the calling thread, off the engine's path). A grammar
+        compiled before (same kind, same source, keys in the same order) is a fork of the cached one."""
         import llguidance
 
         if self.tokenizer is None:
             raise GrammarError("structured output needs the model's tokenizer; this server has none")
+        key = spec.cache_key()
+        with self._cache_lock:
+            hit = self._cache.get(key) if key is not None else None
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit.fork()
         tok = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
         out = on_deep_stack(self._compile, llguidance, tok, spec, first_mask)
         self.compiles += 1
+        if key is not None and first_mask:  # only grammars whose first mask passed are kept
+            with self._cache_lock:
+                self._cache[key] = out.fork()
+                while len(self._cache) > CACHED_GRAMMARS:
+                    self._cache.popitem(last=False)
         return out
 
     def _compile(self, llguidance, tok, spec: GrammarSpec, first_mask: bool) -> GrammarMatcher:

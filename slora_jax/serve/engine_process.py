@@ -14,7 +14,8 @@ engine with a factory the server names (``cli.process_engine``: model load, adap
   engine thread waits on the device with the GIL released.
 
 Structured output: a grammar matcher cannot cross processes, so the server sends its ``GrammarSpec`` and it is
-compiled again here (the server compiled it once to answer 400 early).
+compiled again here (the server compiled it once to answer 400 early), on a thread of its own
+(:class:`GrammarSubmissions`): compiling on the main thread held up every submit, abort and call behind it.
 
 The process ends when the server says ``stop`` or its end of the pipe closes (the server exited or died): open
 requests are aborted, the last outputs sent, and the process exits, so it never outlives the server. Once serving,
@@ -27,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -129,6 +131,49 @@ class EngineWorker(EngineLoop):
         return self._grammars.compile_spec(spec)
 
 
+class GrammarSubmissions:
+    """Submissions whose grammar compiles off the main thread, one at a time: a slow grammar holds up only the
+    grammars behind it. An abort that arrives while its request compiles is kept and queued right after the
+    submission (queued under the same lock), so it is never lost."""
+
+    def __init__(self, worker: EngineWorker):
+        self.worker = worker
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slora-engine-grammar")
+        self._lock = threading.Lock()
+        self._aborted: dict[str, bool] = {}  # request id -> an abort arrived while it compiled
+
+    def submit(self, sub: Submission, spec) -> None:
+        with self._lock:
+            self._aborted[sub.request_id] = False
+        self._pool.submit(self._compile, sub, spec)
+
+    def abort(self, request_id: str) -> bool:
+        """True if ``request_id`` is still compiling (its abort follows its submission); else the caller queues it."""
+        with self._lock:
+            if request_id in self._aborted:
+                self._aborted[request_id] = True
+                return True
+            return False
+
+    def _compile(self, sub: Submission, spec) -> None:
+        error = None
+        try:
+            sub = dataclasses.replace(sub, grammar=self.worker.grammar(spec))
+        except Exception as e:  # noqa: BLE001 - the server compiled it already: unexpected, but answered
+            error = e
+        with self._lock:
+            aborted = self._aborted.pop(sub.request_id)
+            if error is None:
+                self.worker.queue_submission(sub)
+                if aborted:
+                    self.worker.queue_abort(sub.request_id)
+        if error is not None:
+            sub.reply(None, error)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 def _reply(sender: Sender, kind: str, key, result: Any = None, error: BaseException | None = None) -> None:
     if error is not None:
         sender.put((kind, key, None, pack_error(error)))
@@ -139,7 +184,7 @@ def _reply(sender: Sender, kind: str, key, result: Any = None, error: BaseExcept
                                                           "sent to the server"))))
 
 
-def _receive(conn, worker: EngineWorker, asks: concurrent.futures.Executor) -> None:
+def _receive(conn, worker: EngineWorker, asks: concurrent.futures.Executor, grammars: GrammarSubmissions) -> None:
     """The server's messages, until ``stop`` or the pipe closes (main thread)."""
     sender = worker.sender
     while True:
@@ -155,15 +200,14 @@ def _receive(conn, worker: EngineWorker, asks: concurrent.futures.Executor) -> N
 
                 def accepted(result, error, rid=rid):
                     sender.put(("accepted", rid, None if error is None else pack_error(error)))
-                try:
-                    grammar = worker.grammar(spec)
-                except Exception as e:  # the server compiled it already: this is unexpected, but answer it
-                    accepted(None, e)
-                    continue
-                worker.queue_submission(Submission(rid, prompt, adapter, sampling, watch, REMOTE, accepted, tenant,
-                                                   slo, n, grammar))
+                sub = Submission(rid, prompt, adapter, sampling, watch, REMOTE, accepted, tenant, slo, n)
+                if spec is None:
+                    worker.queue_submission(sub)
+                else:
+                    grammars.submit(sub, spec)
             elif kind == "abort":
-                worker.queue_abort(msg[1])
+                if not grammars.abort(msg[1]):
+                    worker.queue_abort(msg[1])
             elif kind == "call":
                 _, cid, name, args = msg
                 if name not in ENGINE_CALLS:
@@ -241,9 +285,11 @@ def run(conn, factory, factory_args: tuple, defer_hand_over: bool = False, log_l
     sender.put(("ready", {**facts(engine), "info": copy.copy(info)}))
     worker.start()
     asks = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="slora-engine-ask")
+    grammars = GrammarSubmissions(worker)
     try:
-        _receive(conn, worker, asks)
+        _receive(conn, worker, asks, grammars)
     finally:
+        grammars.close()
         worker.stop()  # open requests end (abort) and their last outputs are queued
         asks.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(Exception):  # its read workers and their transfer dir (os._exit runs no finalizer)

@@ -7,7 +7,9 @@ worth tokenizing (more characters than ``max_prompt_chars``) or to queue (more t
 request's service counts towards (fairness policies) comes from a request header, checked here too.
 
 Tokenizing and templating grow with the text, so they run in a small thread pool (:class:`TokenizerThreads`), never
-on the event loop: a megabyte prompt must not stall every other client's stream.
+on the event loop: a megabyte prompt must not stall every other client's stream. Grammars (structured output) compile
+in threads of their own (:data:`GRAMMAR_THREADS`), after the prompt passed its checks: a schema that takes a second
+to compile holds up only other grammars, never plain requests or ``/tokenize``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from .protocol import (
     TokenizeRequest,
     check_text,
 )
-from .structured import RequestGrammars
+from .structured import RequestGrammars, grammar_spec
 
 # Used when the tokenizer has no chat template of its own: role-tagged turns, generation after "assistant:".
 FALLBACK_CHAT_TEMPLATE = (
@@ -44,6 +46,7 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's; chat defaults to None: as many as fit (the engine resolves it)
 MESSAGE_OVERHEAD_CHARS = 16  # what one chat message adds to the prompt besides its text (role, separators)
+GRAMMAR_THREADS = 2  # grammars compiled at once (each on a deep stack of its own: grammar.on_deep_stack)
 
 Kind = Literal["completion", "chat"]
 
@@ -105,12 +108,36 @@ class RequestBuilder:
         self.has_tokenizer = tokenizer is not None
         self.threads = TokenizerThreads(tokenizer, threads)
         self.grammars = RequestGrammars(tokenizer, engine.cfg.vocab_size, engine.cfg.eos_token_id)
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="slora-grammar")
 
     async def completion(self, req: CompletionRequest, tenant: str | None = None) -> PreparedRequest:
-        return await self.threads.run(self.build_completion, req, tenant)
+        return await self._finish(req, await self.threads.run(self.prepare_completion, req, tenant))
 
     async def chat(self, req: ChatCompletionRequest, tenant: str | None = None) -> PreparedRequest:
-        return await self.threads.run(self.build_chat, req, tenant)
+        return await self._finish(req, await self.threads.run(self.prepare_chat, req, tenant))
+
+    async def _finish(self, req, prepared: PreparedRequest) -> PreparedRequest:
+        """The grammar compiled (grammar threads), then the mix registered (tokenizer threads): last, so that a
+        request refused on the way leaves no mix behind."""
+        if prepared.grammar_spec is not None:
+            prepared = await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self._with_grammar, req,
+                                                                        prepared)
+        if req.adapters is not None:
+            prepared = await self.threads.run(self._with_mix, req, prepared)
+        return prepared
+
+    def build_completion(self, req: CompletionRequest, tenant: str | None = None) -> PreparedRequest:
+        """The whole build in the calling thread (offline callers and tests; the server awaits :meth:`completion`)."""
+        return self._with_mix(req, self._with_grammar(req, self.prepare_completion(req, tenant)))
+
+    def build_chat(self, req: ChatCompletionRequest, tenant: str | None = None) -> PreparedRequest:
+        return self._with_mix(req, self._with_grammar(req, self.prepare_chat(req, tenant)))
+
+    def _with_grammar(self, req, prepared: PreparedRequest) -> PreparedRequest:
+        if prepared.grammar_spec is None:
+            return prepared
+        spec, grammar = self.grammars.compile_request(req)
+        return dataclasses.replace(prepared, grammar=grammar, grammar_spec=spec)
 
     def tenant_of(self, headers: Mapping[str, str]) -> str | None:
         """The tenant named by the request's tenant header: None when absent or empty, 400 unless it is at most
@@ -126,6 +153,7 @@ class RequestBuilder:
 
     def close(self) -> None:
         self.threads.close()
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     def adapter_for(self, req) -> str | None:
         """The adapter a request's ``model`` names: None for the base model, and for a request with ``adapters``
@@ -185,7 +213,8 @@ class RequestBuilder:
         check_text(text, field)
         return list(self.threads.tokenizer().encode(text, add_special_tokens=add_special_tokens))
 
-    def build_completion(self, req: CompletionRequest, tenant: str | None = None) -> PreparedRequest:
+    def prepare_completion(self, req: CompletionRequest, tenant: str | None = None) -> PreparedRequest:
+        """Everything but the grammar's compile and the mix (:meth:`_finish`)."""
         req.check_supported()
         adapter = self.adapter_for(req)
         prompt = req.single_prompt()
@@ -197,9 +226,9 @@ class RequestBuilder:
             text = prompt if isinstance(prompt, str) else (
                 self.threads.tokenizer().decode(prompt_ids) if self.has_tokenizer else "")
             prepared = dataclasses.replace(prepared, echo_text=text)
-        return self._with_mix(req, prepared)
+        return prepared
 
-    def build_chat(self, req: ChatCompletionRequest, tenant: str | None = None) -> PreparedRequest:
+    def prepare_chat(self, req: ChatCompletionRequest, tenant: str | None = None) -> PreparedRequest:
         req.check_supported()
         adapter = self.adapter_for(req)
         if not self.has_tokenizer:
@@ -208,7 +237,7 @@ class RequestBuilder:
         prompt_ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
         prepared = self._prepared("chat", req, adapter, prompt_ids, None, tenant)
         self.check_tokens(len(prompt_ids))
-        return self._with_mix(req, prepared)
+        return prepared
 
     def chat_prompt_ids(self, chat: list[ChatMessage], add_generation_prompt: bool,
                         add_special_tokens: bool = False) -> list[int]:
@@ -284,9 +313,9 @@ class RequestBuilder:
             field = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), field if field in type(req).model_fields else None) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        spec, grammar = self.grammars.compile_request(req) or (None, None)
+        asked = grammar_spec(req)  # the fields checked now; compiled by _with_grammar
         return PreparedRequest(kind, req.model, adapter, prompt_ids, sampling, req.return_token_ids, req.stream,
                                include_usage, tenant, req.first_token_slo_s, n=req.best_of_count() or req.samples,
                                best_of_keep=req.samples if req.best_of_count() else None,
                                rank_logprobs_only=bool(req.best_of_count()) and req.logprobs is None,
-                               grammar=grammar, grammar_spec=spec)
+                               grammar_spec=asked[0] if asked else None)

@@ -4,8 +4,8 @@ Accepted, one at a time: OpenAI's ``response_format`` (``{"type": "json_object"}
 "json_schema": {"name": ..., "schema": {...}}}``, ``{"type": "text"}`` = none) and vLLM's extensions
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` and ``structured_outputs`` (``{"json" |
 "regex" | "choice" | "grammar" | "json_object": ...}``). A grammar that does not compile is a 400 with llguidance's
-reason. Compiling (and the first token's mask) runs in the request builder's tokenizer threads, never on the event
-loop or the engine thread.
+reason. Compiling (and the first token's mask) runs in the request builder's grammar threads, never on the event
+loop, the tokenizer threads or the engine thread.
 """
 
 from __future__ import annotations
