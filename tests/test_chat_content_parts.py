@@ -128,10 +128,12 @@ def test_prompt_differs_from_parts_run_together(builder, tokenizer):
     assert prepared.prompt_ids != template_ids(tokenizer, [{"role": "user", "content": "first linesecond line"}])
 
 
-def test_refused_part_fails_the_build_with_400(builder):
+def test_refused_part_fails_the_build_with_400_naming_its_message(builder):
     with pytest.raises(APIError) as e:
-        builder.build_chat(chat([{"role": "user", "content": [REFUSED["image_url"][0]]}]))
+        builder.build_chat(chat([{"role": "user", "content": "fine"}, {"role": "assistant", "content": "ok"},
+                                 {"role": "user", "content": ["also fine", REFUSED["image_url"][0]]}]))
     assert e.value.status == 400 and "image_url" in e.value.message
+    assert e.value.message.startswith("messages[2]: content part 1 "), e.value.message
 
 
 # ---------------------------------------------------------------- over HTTP

@@ -73,6 +73,14 @@ class PreparedRequest:
     grammar_spec: GrammarSpec | None = None  # what ``grammar`` was compiled from (an engine process compiles it again)
 
 
+def _message_fields(index: int, message: ChatMessage) -> dict[str, str]:
+    """``message.template_fields()``, its refusals saying which message (a conversation may hold hundreds)."""
+    try:
+        return message.template_fields()
+    except APIError as e:
+        raise APIError(e.status, f"messages[{index}]: {e.message}", e.param) from None
+
+
 class TokenizerThreads:
     """A few worker threads, each with its own copy of the tokenizer (a fast tokenizer is not safe to share between
     threads, and the event loop's copy decodes streams meanwhile). Encoding releases the GIL, so the loop keeps
@@ -244,7 +252,7 @@ class RequestBuilder:
         """The prompt ids of a chat: its messages through the tokenizer's chat template (``FALLBACK_CHAT_TEMPLATE``
         without one), encoded without special tokens (the template writes them) unless ``add_special_tokens``. The
         one path of ``/v1/chat/completions`` and ``/tokenize``, so the two give the same ids. In a worker thread."""
-        messages = [m.template_fields() for m in chat]
+        messages = [_message_fields(i, m) for i, m in enumerate(chat)]
         self.check_chars(sum(sum(map(len, m.values())) + MESSAGE_OVERHEAD_CHARS for m in messages), "messages")
         for m in messages:
             for text in m.values():
