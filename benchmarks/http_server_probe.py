@@ -29,6 +29,9 @@ def scrape_metrics(url: str, api_key: str | None) -> dict[str, float]:
 
 SERVER_COUNTERS = ("slora_time_to_first_token_seconds_sum", "slora_time_to_first_token_seconds_count",
                    "slora_generation_tokens_total", "slora_engine_steps")
+# labelled running totals kept per label value ("name.value"): host seconds per phase, steps read back per kind
+BY_LABEL = ("slora_engine_host_seconds", "slora_engine_steps_read_back", "slora_engine_wait_seconds",
+            "slora_engine_host_bound_steps")
 
 
 def server_counters(url: str, api_key: str | None) -> dict[str, float]:
@@ -41,8 +44,8 @@ def server_counters(url: str, api_key: str | None) -> dict[str, float]:
         return {}
     out = {}
     for line in text.splitlines():
-        m = re.match(r'^(\w+)(?:\{phase="(\w+)"\})?\s+(\S+)$', line)
-        if m and (m.group(1) in SERVER_COUNTERS or m.group(1) == "slora_engine_host_seconds"):
+        m = re.match(r'^(\w+)(?:\{(?:phase|kind)="(\w+)"\})?\s+(\S+)$', line)
+        if m and (m.group(1) in SERVER_COUNTERS or m.group(1) in BY_LABEL):
             out[m.group(1) + (f".{m.group(2)}" if m.group(2) else "")] = float(m.group(3))
         m = re.match(r'^slora_adapters\{tier="host"\}\s+(\S+)$', line)
         if m:  # a gauge, not a running total: server_share reports it at the trace's start and end
@@ -74,6 +77,19 @@ def wait_host_fill(url: str, api_key: str | None, n_adapters: int, max_s: float,
         time.sleep(poll_s)
 
 
+def by_kind(d: dict) -> dict:
+    """Per kind of step read back (prefill, decode): how many, the mean wait for the device, and the share the
+    device had finished before the host asked (it idled for part of the host's work)."""
+    out = {}
+    for kind in ("prefill", "decode"):
+        n = d.get(f"slora_engine_steps_read_back.{kind}", 0.0)
+        if n:
+            wait_s = d.get(f"slora_engine_wait_seconds.{kind}", 0.0)
+            out[kind] = {"steps": n, "wait_ms_mean": round(1e3 * wait_s / n, 3),
+                         "host_bound_share": round(d.get(f"slora_engine_host_bound_steps.{kind}", 0.0) / n, 4)}
+    return out
+
+
 def server_share(before: dict, after: dict, elapsed_s: float) -> dict:
     """What the server saw of one trace: its mean TTFT (so the client's share of ours is the rest), engine steps,
     the mean step (the GIL the HTTP side takes shows as a longer step than in-process) and host ms per step per
@@ -90,6 +106,7 @@ def server_share(before: dict, after: dict, elapsed_s: float) -> dict:
             "tokens_per_step": d.get("slora_generation_tokens_total", 0.0) / steps if steps else None,
             "host_ms_per_step": {k.split(".", 1)[1]: round(1e3 * v / steps, 3) for k, v in d.items()
                                  if k.startswith("slora_engine_host_seconds.") and steps},
+            "by_kind": by_kind(d),
             "adapter_loads": {stage: {"n": d[f"adapter_load_count.{stage}"],
                                       "ms_mean": 1e3 * d.get(f"adapter_load_sum.{stage}", 0.0)
                                       / d[f"adapter_load_count.{stage}"]} for stage in stages}}

@@ -194,3 +194,26 @@ def test_the_host_fill_wait_ends_on_all_settled_or_time(monkeypatch, counts, n, 
     if seen is not None:
         assert got["adapters_in_host"] == seen
     assert got["waited_s"] <= max_s + 1
+
+
+def test_server_counters_read_the_per_kind_step_totals(monkeypatch):
+    """The probe reads the engine's per-kind gauges and reports each kind's steps, mean wait and host-bound share."""
+    def metrics(text):
+        return types.SimpleNamespace(text=text)
+
+    before = ('slora_engine_steps 10.0\nslora_engine_steps_read_back{kind="prefill"} 2.0\n'
+              'slora_engine_steps_read_back{kind="decode"} 8.0\nslora_engine_wait_seconds{kind="prefill"} 0.001\n'
+              'slora_engine_wait_seconds{kind="decode"} 0.05\nslora_engine_host_bound_steps{kind="prefill"} 1.0\n'
+              'slora_engine_host_seconds{phase="wait"} 0.051\n')
+    after = ('slora_engine_steps 30.0\nslora_engine_steps_read_back{kind="prefill"} 6.0\n'
+             'slora_engine_steps_read_back{kind="decode"} 24.0\nslora_engine_wait_seconds{kind="prefill"} 0.009\n'
+             'slora_engine_wait_seconds{kind="decode"} 0.21\nslora_engine_host_bound_steps{kind="prefill"} 3.0\n'
+             'slora_engine_host_seconds{phase="wait"} 0.219\n')
+    monkeypatch.setattr(http_server_probe.httpx, "get", lambda *a, **k: metrics(before))
+    a = http_server_probe.server_counters("http://x", None)
+    monkeypatch.setattr(http_server_probe.httpx, "get", lambda *a, **k: metrics(after))
+    b = http_server_probe.server_counters("http://x", None)
+    share = http_server_probe.server_share(a, b, 1.0)
+    assert share["by_kind"] == {"prefill": {"steps": 4.0, "wait_ms_mean": 2.0, "host_bound_share": 0.5},
+                                "decode": {"steps": 16.0, "wait_ms_mean": 10.0, "host_bound_share": 0.0}}
+    assert share["host_ms_per_step"] == {"wait": 8.4}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import httpx
 import openai
@@ -285,6 +286,11 @@ def test_one_requests_bad_step_inputs_fail_only_that_request(srv, monkeypatch):
 
 
 def test_metrics_exposed(srv):
+    # one request of its own (a prefill and decode steps), so the test does not lean on the ones before it
+    r = httpx.post(srv.base_url + "/completions", json={"model": BASE_NAME, "prompt": "hi", "max_tokens": 3,
+                                                        "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    srv.wait_idle()
     text = httpx.get(srv.url + "/metrics").text
     for name in ("slora_requests_total", "slora_prompt_tokens_total", "slora_generation_tokens_total",
                  "slora_time_to_first_token_seconds_bucket", "slora_time_per_output_token_seconds_bucket",
@@ -299,6 +305,15 @@ def test_metrics_exposed(srv):
               if line.startswith("slora_engine_host_seconds{")}
     assert set(phases) == {"schedule", "dispatch", "prefetch", "wait", "append"}
     assert phases["dispatch"] > 0
+    # per kind of step read back: both kinds ran above; host-bound steps are a subset of the kind's steps
+    by_kind = {(line.split("{")[0], line.split('"')[1]): float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("slora_engine_steps_read_back{", "slora_engine_host_bound_steps{",
+                                   "slora_engine_wait_seconds{"))}
+    for kind in ("prefill", "decode"):
+        assert by_kind["slora_engine_steps_read_back", kind] >= 1
+        assert 0 <= by_kind["slora_engine_host_bound_steps", kind] <= by_kind["slora_engine_steps_read_back", kind]
+    assert math.isclose(by_kind["slora_engine_wait_seconds", "prefill"] + by_kind["slora_engine_wait_seconds",
+                                                                                   "decode"], phases["wait"])
 
 
 @pytest.mark.parametrize("text", ["plain ascii words", "h\u00e9llo w\u00f6rld \U0001f600 \u00fcn\u00efc\u00f8d\u00e9",

@@ -301,6 +301,11 @@ def http(paths: list[str]) -> None:
               f"{low_srv.get('adapters_in_host', '-')}, ITL p99 {cell((low.get('itl_ms') or {}).get('p99'), '1.0f')}"
               f" ms; weights+pool {cell((r.get('server_phases') or {}).get('weights_and_pool_s'), '1.1f')} s, "
               f"in-process restart {cell((r.get('in_process') or {}).get('startup_s'), '1.1f')} s")
+        kinds = srv.get("by_kind") or {}
+        if kinds:  # at sat: did the device wait for the host (wait ~0) after prefill or decode steps?
+            print("     sat by kind read back: " + ", ".join(
+                f"{kind} {cell(k.get('steps'), '1.0f')} steps, wait {cell(k.get('wait_ms_mean'), '1.1f')} ms, "
+                f"host-bound {cell(k.get('host_bound_share'), '1.2f')}" for kind, k in kinds.items()))
         sats.append((Path(p).name, sat.get("throughput_req_s")))
         ref = ref or ((Path(p).name, inproc["throughput_req_s"]) if inproc.get("throughput_req_s") else None)
         if r.get("server_error"):

@@ -15,7 +15,6 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +39,7 @@ from .pool import PagedPool
 from .sampling import SamplingParams
 from .scheduler import RequestRejected, Scheduler
 from .sequence import RequestOutput, Sequence, Status
+from .step_clock import StepClock, StepTiming
 from .step_runner import StepInputError, StepItem, StepRunner, lora_variant
 
 log = logging.getLogger(__name__)
@@ -48,17 +48,6 @@ log = logging.getLogger(__name__)
 # there is room); those of the next (READ_AHEAD - 1) * max_prefill_seqs are only read into host memory. Staging
 # deeper (as every add_request once did) pushed the head's staged pages out of the bounded staging area.
 READ_AHEAD = 4
-
-
-class StepTiming(NamedTuple):
-    """Host seconds in each phase of one :meth:`Engine.step`. ``wait`` is the host blocked on the device (the
-    previous step still running): near zero means the host, not the device, sets the pace."""
-
-    schedule: float  # admission (incl. blocking adapter loads), decode page reservation, preemption
-    dispatch: float  # building the batch in numpy and queueing the jitted step
-    prefetch: float  # adapters of the waiting head: host reads started, pool loads queued
-    wait: float  # reading the previous step's tokens back
-    append: float  # tokens appended, stops checked, callbacks run
 
 
 # The start of the error message of a request ended for its own input (its error_kind is "request": HTTP 400).
@@ -104,10 +93,10 @@ class Engine:
         self.warm_compiles: int | None = None
         self.num_steps = 0
         self.last_plan = None  # what the last step ran (benchmarks read it)
-        self.last_timing: StepTiming | None = None
-        self.time_in = dict.fromkeys(StepTiming._fields, 0.0)  # cumulative host seconds per step phase
+        self.clock = StepClock()  # host seconds per step phase, and per kind of step
         # dispatched, tokens not read yet: (sequences, their rows in the output, token ids on the device)
         self._inflight: tuple[list[Sequence], list[int], jax.Array, StepLogprobs | None] | None = None
+        self._inflight_kind: str | None = None  # its plan's kind
         self._step_logprobs: StepLogprobs | None = None  # of the step _dispatch just queued
 
     @classmethod
@@ -206,7 +195,7 @@ class Engine:
         plan = self.scheduler.schedule()
         outputs += self._end_failed()
         self.last_plan = plan
-        previous = self._inflight
+        previous, previous_kind = self._inflight, self._inflight_kind
         t1 = time.perf_counter()
         if plan is not None:
             next_ids, failed = self._dispatch(plan, previous)
@@ -227,6 +216,7 @@ class Engine:
             for row, seq in enumerate(plan.seqs):
                 seq.inflight = row
             self._inflight = (plan.seqs, list(range(len(plan.seqs))), next_ids, self._step_logprobs)
+            self._inflight_kind = plan.kind
             self._prefetch_head()
         t3 = time.perf_counter()
         t4 = t3
@@ -236,9 +226,9 @@ class Engine:
             try:
                 outputs += self._drain(previous[0], previous[1], tokens, previous[3])
             finally:
-                self._record_timing((t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4))
+                self.clock.record((t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4), previous_kind)
         else:
-            self._record_timing((t1 - t0, t2 - t1, t3 - t2, 0.0, time.perf_counter() - t3))
+            self.clock.record((t1 - t0, t2 - t1, t3 - t2, 0.0, time.perf_counter() - t3), None)
         return outputs
 
     def _dispatch(self, plan, previous) -> tuple[jax.Array | None, list[RequestOutput]]:
@@ -286,10 +276,18 @@ class Engine:
         except Exception:  # noqa: BLE001 - admission loads what prefetch could not
             log.warning("adapter prefetch failed", exc_info=True)
 
-    def _record_timing(self, phases: tuple[float, ...]) -> None:
-        self.last_timing = StepTiming(*phases)
-        for name, value in zip(StepTiming._fields, phases, strict=True):
-            self.time_in[name] += value
+    @property
+    def last_timing(self) -> StepTiming | None:
+        return self.clock.last
+
+    @property
+    def time_in(self) -> dict[str, float]:
+        """Cumulative host seconds per step phase (benchmarks read and reset it)."""
+        return self.clock.total
+
+    @time_in.setter
+    def time_in(self, value: dict[str, float]) -> None:
+        self.clock.total = dict(value)
 
     def _drain(self, seqs: list[Sequence], rows: list[int], tokens: np.ndarray,
                logprobs: StepLogprobs | None = None) -> list[RequestOutput]:
@@ -494,6 +492,7 @@ class Engine:
             "compiles": compile_counter.compile_count(),
             "compiles_since_warmup": self.compiles_since_warmup(),
             "step_seconds": dict(self.time_in),
+            "steps_by_kind": {kind: dict(v) for kind, v in self.clock.by_kind.items()},
             "pool": self.pool.stats(kv_tokens_live=self.scheduler.live_kv_tokens()),
             "adapters": self.store.stats(),
             "prefix_cache": self.scheduler.prefix_cache.stats() if self.scheduler.prefix_cache else {},

@@ -133,6 +133,13 @@ class ServerMetrics:
         self.host_seconds = Gauge(f"{p}_engine_host_seconds", "Engine-thread seconds since start, summed per step "
                                   "phase (schedule, dispatch, prefetch, wait, append); little 'wait' = the host sets "
                                   "the pace", ["phase"], registry=r)
+        self.steps_read = Gauge(f"{p}_engine_steps_read_back", "Engine steps read back, per kind (prefill, decode)",
+                                ["kind"], registry=r)
+        self.wait_seconds = Gauge(f"{p}_engine_wait_seconds", "Engine-thread seconds waiting for the device, per kind "
+                                  "of the step it waited for", ["kind"], registry=r)
+        self.host_bound = Gauge(f"{p}_engine_host_bound_steps", "Steps, per kind, the device had finished before the "
+                                "host asked (waited < 0.5 ms): the device idled for part of the host's work",
+                                ["kind"], registry=r)
 
     def refresh(self, stats: dict, step_failures: int = 0) -> None:
         """Set the gauges from ``engine.stats()``; missing keys leave a gauge as it was."""
@@ -145,6 +152,10 @@ class ServerMetrics:
         self.step_failures.set(step_failures)
         for phase, seconds in (stats.get("step_seconds") or {}).items():
             self.host_seconds.labels(phase).set(seconds)
+        for kind, counts in (stats.get("steps_by_kind") or {}).items():
+            self.steps_read.labels(kind).set(counts["steps"])
+            self.wait_seconds.labels(kind).set(counts["wait_s"])
+            self.host_bound.labels(kind).set(counts["host_bound"])
         pool = stats.get("pool") or {}
         for kind, key in (("kv", "pages_kv"), ("adapter", "pages_adapter"), ("free", "pages_free")):
             if key in pool:
