@@ -110,7 +110,7 @@ def run_batch(engine: Engine, clock: Clock, batch: int, steps: int, rng: np.rand
             profiler.disable()
         plan = engine.last_plan
         assert plan is not None and plan.kind == "decode" and len(plan.seqs) == batch, "the batch must stay whole"
-        wait = engine.last_timing.wait
+        wait = engine.clock.last.wait
         rows.append(dict(host_wall=wall - wait, host_cpu=cpu, **{f"{p}_wall": clock.wall[p] for p in PHASES},
                          **{f"{p}_cpu": clock.cpu[p] for p in PHASES}))
     if profiler is not None:

@@ -104,7 +104,7 @@ def run_trace(engine, name, trace, adapter_names, vocab, budget_end, slo_s=6.0, 
             steps.append({"t": te - ts, "kind": plan.kind, "batch": len(plan.seqs),
                           "ctx": sum(s.num_tokens for s in plan.seqs),
                           "adapters": len({s.adapter for s in plan.seqs if s.adapter}),
-                          **{f"host_{k}": v for k, v in engine.last_timing._asdict().items()}})
+                          **{f"host_{k}": v for k, v in engine.clock.last._asdict().items()}})
     elapsed = time.monotonic() - t0
     store_after = engine.store.stats()
     done = [d for d in info.values() if d["end"] is not None]

@@ -366,6 +366,52 @@ def test_a_device_error_mid_admission_leaves_no_pages_or_pins(tiny_dir, adapter_
     assert eng.pool.stats()["pages_kv"] == 0 and all(eng.store.pin_count(a) == 0 for a in ADAPTERS)
 
 
+@pytest.mark.parametrize("fails", ["prefill", "logprobs"])
+def test_a_prefill_that_raises_puts_its_batch_back_to_wait(tiny_dir, adapter_dirs, fails, monkeypatch):
+    """The prefill step itself fails (the device, or what is built right after it): its sequences were admitted,
+    so they went on running with no prompt K/V and, stepped again, decoded wrong tokens with no error. They wait
+    again holding nothing, and the next steps serve them as if alone (a decode already in flight is kept)."""
+    eng = _make(tiny_dir, adapter_dirs, BIG)  # its own engine: its runner is made to fail
+    rng = np.random.default_rng()
+    sp = SamplingParams(max_tokens=6, **GREEDY)
+    prompts = [_prompt(rng, eng.cfg.vocab_size) for _ in range(3)]
+    adapters = [ADAPTERS[0], None, ADAPTERS[1]]
+    expected = [_alone(eng, p, a, sp) for p, a in zip(prompts, adapters, strict=True)]
+    first = eng.add_request(prompts[0], adapters[0], sp)  # running, a decode in flight when the prefill fails
+    eng.step()
+    eng.step()
+    calls = []
+
+    def failing_once(real):
+        def call(*args, **kw):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("INTERNAL: the prefill failed (simulated)")
+            return real(*args, **kw)
+        return call
+
+    if fails == "prefill":  # the device step
+        monkeypatch.setattr(eng.runner, "prefill", failing_once(eng.runner.prefill))
+    else:  # what is built right after it was queued
+        from slora_jax.engine import engine as engine_module
+
+        monkeypatch.setattr(engine_module.StepLogprobs, "of_step", failing_once(engine_module.StepLogprobs.of_step))
+    rids = [first] + [eng.add_request(p, a, sp) for p, a in zip(prompts[1:], adapters[1:], strict=True)]
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        eng.step()
+    assert [eng.requests[r].status for r in rids[1:]] == [Status.WAITING] * 2
+    assert list(eng.scheduler.waiting)[:2] == [eng.requests[r] for r in rids[1:]]  # in order, at the head
+    _audit(eng)
+    for _ in range(100):
+        if not eng.has_unfinished():
+            break
+        for out in eng.step():
+            assert out.error is None, out.error
+        _audit(eng)
+    assert [eng.requests[r].output_ids for r in rids] == expected
+    assert eng.pool.stats()["pages_kv"] == 0 and all(eng.store.pin_count(a) == 0 for a in ADAPTERS)
+
+
 def test_a_raising_callback_leaves_no_other_failed_request_unfinished(tiny_dir, adapter_dirs):
     """Requests the engine ends unserved (here: past their first-token deadline under early abort) are each ended
     even when the first one's callback raises; the rest were once left out of the queue with no final output."""

@@ -35,8 +35,8 @@ class FakeWorker:
         self.queued.append(("abort", request_id))
 
 
-def submission(rid: str, replies: list) -> Submission:
-    return Submission(rid, [1, 2], None, None, False, None, lambda target, error: replies.append((rid, error)))
+def submission(rid: str, replies: list, n: int = 1) -> Submission:
+    return Submission(rid, [1, 2], None, None, False, None, lambda target, error: replies.append((rid, error)), n=n)
 
 
 def wait_for(cond, timeout: float = 10.0) -> None:
@@ -75,5 +75,23 @@ def test_a_grammar_that_fails_is_answered_and_queues_nothing():
         wait_for(lambda: replies)
         (rid, error), = replies
         assert rid == "x" and "does not compile" in str(error) and worker.queued == []
+    finally:
+        grammars.close()
+
+
+def test_aborts_of_a_requests_samples_while_compiling_follow_it():
+    """A request of n samples is aborted sample by sample (``rid#0``, ``rid#1``: the engine's ids); those that
+    arrive while it compiles are each queued after the submission (they were queued before it, and lost)."""
+    worker, replies = FakeWorker(), []
+    grammars = GrammarSubmissions(worker)
+    try:
+        grammars.submit(submission("cmpl-x", replies, n=3), "spec")
+        assert grammars.abort("cmpl-x#0") and grammars.abort("cmpl-x#2")
+        assert worker.queued == []
+        worker.gate.set()
+        wait_for(lambda: len(worker.queued) == 3)
+        assert worker.queued == [("submit", "cmpl-x", ("compiled", "spec")), ("abort", "cmpl-x#0"),
+                                 ("abort", "cmpl-x#2")]
+        assert not grammars.abort("cmpl-x#1")  # queued by now: its abort goes the usual way
     finally:
         grammars.close()

@@ -434,6 +434,31 @@ def test_engine_step_failure_fails_only_that_step_and_keeps_serving(srv, http):
     assert_serving(http)
 
 
+def test_a_failed_prefill_fails_its_requests_once_and_keeps_serving(srv, http):
+    """The prefill step itself raises: the engine puts its batch back to wait (an offline caller may step again),
+    and the server still fails those requests with the step's error, as it does a running batch, rather than
+    retrying a step that may fail the same way until every open request is ended."""
+    srv.wait_idle()
+    runner, calls = srv.engine.runner, []
+    real_prefill = runner.prefill
+
+    def failing_prefill(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected prefill failure")
+        return real_prefill(*args, **kw)
+
+    runner.prefill = failing_prefill
+    try:
+        r = completion(http, max_tokens=4)
+    finally:
+        runner.prefill = real_prefill
+    assert_error(r, 500, "injected prefill failure")
+    after = srv.wait_idle()
+    assert after["pool"]["pages_kv"] == 0 and after["waiting"] == 0 and len(calls) == 1
+    assert_serving(http)
+
+
 def test_repeated_step_failures_end_requests_instead_of_hanging(srv, http):
     srv.wait_idle()
     engine = srv.engine

@@ -39,7 +39,7 @@ from .pool import PagedPool
 from .sampling import SamplingParams
 from .scheduler import RequestRejected, Scheduler
 from .sequence import RequestOutput, Sequence, Status
-from .step_clock import StepClock, StepTiming
+from .step_clock import StepClock
 from .step_runner import StepInputError, StepItem, StepRunner, lora_variant
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,8 @@ class Engine:
         self.warm_compiles: int | None = None
         self.num_steps = 0
         self.last_plan = None  # what the last step ran (benchmarks read it)
-        self.clock = StepClock()  # host seconds per step phase, and per kind of step
+        self.clock = StepClock()  # host seconds per step phase, and per kind of step (last: the last step's)
+        self._failed_prefill: list[Sequence] = []  # the sequences of the last prefill that raised
         # dispatched, tokens not read yet: (sequences, their rows in the output, token ids on the device)
         self._inflight: tuple[list[Sequence], list[int], jax.Array, StepLogprobs | None] | None = None
         self._inflight_kind: str | None = None  # its plan's kind
@@ -198,7 +199,13 @@ class Engine:
         previous, previous_kind = self._inflight, self._inflight_kind
         t1 = time.perf_counter()
         if plan is not None:
-            next_ids, failed = self._dispatch(plan, previous)
+            try:
+                next_ids, failed = self._dispatch(plan, previous)
+            except BaseException:
+                if plan.kind == "prefill":  # admitted, never prefilled: they wait again, holding nothing
+                    self.scheduler.requeue(plan.seqs)
+                    self._failed_prefill = list(plan.seqs)
+                raise
             outputs += failed
             if next_ids is None:  # every sequence of the plan was refused
                 plan = None
@@ -206,6 +213,7 @@ class Engine:
                 self.num_steps += 1
                 if plan.kind == "prefill":
                     self.scheduler.on_prefilled(plan.seqs)
+                    self._failed_prefill = []
         t2 = time.perf_counter()
         # dispatched (or nothing to run): the new step's tokens are now the ones on the device
         self._inflight = None
@@ -277,17 +285,9 @@ class Engine:
             log.warning("adapter prefetch failed", exc_info=True)
 
     @property
-    def last_timing(self) -> StepTiming | None:
-        return self.clock.last
-
-    @property
     def time_in(self) -> dict[str, float]:
         """Cumulative host seconds per step phase (benchmarks read and reset it)."""
         return self.clock.total
-
-    @time_in.setter
-    def time_in(self, value: dict[str, float]) -> None:
-        self.clock.total = dict(value)
 
     def _drain(self, seqs: list[Sequence], rows: list[int], tokens: np.ndarray,
                logprobs: StepLogprobs | None = None) -> list[RequestOutput]:
@@ -369,8 +369,9 @@ class Engine:
     # read_adapter, pin_adapter, unpin_adapter, watch_adapters) tells routers where each adapter is.
 
     def running_request_ids(self) -> list[str]:
-        """Requests in the running batch (those a failed step may have hurt)."""
-        return [s.request_id for s in self.scheduler.running]
+        """Requests a failed step may have hurt: the running batch, and a failed prefill's (waiting again)."""
+        failed = [s for s in self._failed_prefill if s.status == Status.WAITING]
+        return [s.request_id for s in [*self.scheduler.running, *failed]]
 
     def pool_lost(self) -> bool:
         """The pool array was donated to a step that failed: KV cache and resident adapters are gone for good."""

@@ -418,6 +418,17 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.policy.on_preempted(seq)
 
+    def requeue(self, seqs: list[Sequence]) -> None:
+        """A prefill that failed (raised at or right after its dispatch): its running sequences go back to the head
+        of the waiting queue, in order, holding no pages or pins, to be admitted and prefilled again. Without this
+        they went on running with no prompt K/V and decoded wrong tokens."""
+        for seq in reversed(seqs):
+            if seq.status == Status.RUNNING:
+                self.free(seq)
+                seq.status = Status.WAITING
+                self.waiting.appendleft(seq)
+                self.policy.on_preempted(seq)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status == Status.FINISHED:
             return

@@ -36,6 +36,7 @@ import signal
 import threading
 from typing import Any
 
+from ..engine.forks import sample_ids
 from .engine_loop import Call, EngineLoop, Submission
 from .engine_thread import ENGINE_CALLS
 from .engine_wire import ASKS, pack_error, pack_output, pickles
@@ -143,8 +144,8 @@ class GrammarSubmissions:
         self._aborted: dict[str, bool] = {}  # request id -> an abort arrived while it compiled
 
     def submit(self, sub: Submission, spec) -> None:
-        with self._lock:
-            self._aborted[sub.request_id] = False
+        with self._lock:  # aborts name each sample of the request (``cmpl-x#0``, ...) when it has several
+            self._aborted.update(dict.fromkeys(sample_ids(sub.request_id, sub.n), False))
         self._pool.submit(self._compile, sub, spec)
 
     def abort(self, request_id: str) -> bool:
@@ -162,11 +163,11 @@ class GrammarSubmissions:
         except Exception as e:  # noqa: BLE001 - the server compiled it already: unexpected, but answered
             error = e
         with self._lock:
-            aborted = self._aborted.pop(sub.request_id)
+            aborted = [rid for rid in sample_ids(sub.request_id, sub.n) if self._aborted.pop(rid)]
             if error is None:
                 self.worker.queue_submission(sub)
-                if aborted:
-                    self.worker.queue_abort(sub.request_id)
+                for rid in aborted:
+                    self.worker.queue_abort(rid)
         if error is not None:
             sub.reply(None, error)
 
