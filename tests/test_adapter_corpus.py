@@ -327,6 +327,13 @@ PATH_CASES = [  # (id, lora_path or a function (uploads, outside) -> lora_path, 
     ("dangling-symlink-out", lambda up, out: _link(up / "dangling", out / "not-there") or "dangling", 403,
      "outside"),
     ("etc", "/etc", 403, "outside"),
+    # outside, the same answer whether a directory exists there or not (a 400 for a loop or a long name in an
+    # existing directory, 403 for a missing one, told a client which directories exist on the server)
+    ("long-name-in-an-outside-dir", lambda up, out: str(out / ("x" * 300)), 403, "outside"),
+    ("long-name-in-a-missing-dir", lambda up, out: str(out / "nosuchdir" / ("x" * 300)), 403, "outside"),
+    ("symlink-loop-outside", lambda up, out: _link(out / "loop-c", out / "loop-d") or _link(out / "loop-d",
+                                                                                            out / "loop-c")
+     or str(out / "loop-c"), 403, "outside"),
 ]
 NAME_CASES = [("x" * 5000, "invalid request|the limit"), ("a\tb", "control"), ("a\x00b", "control"),
               (" padded", "whitespace"), ("", "invalid request|empty"), (BASE_NAME, "base model"),

@@ -246,6 +246,15 @@ def test_body_over_the_limit_is_413_declared_or_streamed(http):
     assert http.post("/v1/completions", json=COMPLETION).status_code == 200  # same client, connection reused
 
 
+@pytest.mark.parametrize("method", ["GET", "DELETE", "OPTIONS"])
+def test_a_body_on_any_method_is_bounded(http, method):
+    """The limits hold for every method: the Ray ingress reads the body of any request it relays, and a GET with
+    5 MB went through unbounded (the limits once covered POST, PUT and PATCH only)."""
+    r = http.request(method, "/v1/models", content=b"x" * (MAX_BODY + 10))
+    assert r.status_code == 413, r.text
+    assert http.get("/v1/models").status_code == 200  # a GET without a body is as before
+
+
 def _raw(port: int, payload: bytes, wait_s: float) -> tuple[bytes, float]:
     """Send ``payload`` and read until the server closes; (everything read, seconds until the close)."""
     with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as s:

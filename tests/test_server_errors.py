@@ -12,6 +12,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 
 import httpx
@@ -20,6 +21,7 @@ import pytest
 from server_fixtures import BASE_NAME, start_server
 
 from slora_jax.model.config import ModelConfig
+from slora_jax.serve.protocol import APIError
 from slora_jax.tools import synth
 
 KEY = "test-key-123"
@@ -249,6 +251,52 @@ def test_corrupt_or_mismatched_adapter_is_400_with_reason(http, srv, cfg, make, 
     assert name not in models
     assert_error(completion(http, model=name), 404)
     assert_serving(http)
+
+
+def test_slow_adapter_loads_hold_up_no_other_route(http, srv, cfg, monkeypatch):
+    """Adapter loads run in admin threads of their own, and past ADMIN_PENDING a load is refused (503, Retry-After)
+    instead of queued: 69 loads that hang (a slow disk) leave /health and completions answering at once. (They ran
+    in Starlette's shared pool of 40 threads, which every route's dependency also needed: /health took seconds.)"""
+    import concurrent.futures
+
+    from slora_jax.serve.adapters import ADMIN_PENDING
+
+    path = _write_good(srv.root / "uploads" / "slow-one", cfg)
+    assert_serving(http)  # compiled before the clock runs
+    admin, gate = srv.server.app.state.ctx.adapters, threading.Event()
+    real = admin.register
+
+    def hanging_register(name, p):
+        assert gate.wait(60)
+        raise APIError(400, f"{name}: not loaded (test)", "lora_name")
+
+    monkeypatch.setattr(admin, "register", hanging_register)
+    extra = 5
+
+    def load(i):
+        return httpx.post(srv.url + "/v1/load_lora_adapter", headers=srv.headers, timeout=120,
+                          json={"lora_name": f"slow-{i}", "lora_path": str(path)})
+
+    with concurrent.futures.ThreadPoolExecutor(ADMIN_PENDING + extra) as pool:
+        loads = [pool.submit(load, i) for i in range(ADMIN_PENDING + extra)]
+        try:
+            deadline = time.monotonic() + 30
+            while sum(f.done() for f in loads) < extra and time.monotonic() < deadline:
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+            assert_serving(http)
+            assert time.monotonic() - t0 < 5
+            refused = [f.result() for f in loads if f.done()]
+            assert len(refused) == extra and all(r.status_code == 503 and r.headers.get("retry-after")
+                                                 for r in refused), [r.text for r in refused]
+        finally:
+            gate.set()
+        assert sorted(f.result().status_code for f in loads) == [400] * ADMIN_PENDING + [503] * extra
+    monkeypatch.setattr(admin, "register", real)
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "slow-ok", "lora_path": str(path)})
+    assert r.status_code == 200, r.text
+    assert_serving(http, "slow-ok")
 
 
 def test_load_from_outside_allowed_dirs_is_403(http, srv, cfg):

@@ -16,6 +16,8 @@ opened files at read time, see ``lora.adapter_files``).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import errno
 import os
 from pathlib import Path
@@ -29,6 +31,8 @@ from .engine_loop import EngineUnavailable
 from .protocol import APIError
 
 MAX_NAME_CHARS = 256
+ADMIN_THREADS = 4  # adapter admin work (weight reads, engine-process questions) running at once
+ADMIN_PENDING = 64  # admin calls running or queued; one more is refused with 503 (its client retries)
 MAX_PATH_CHARS = 4096
 _PATH_ERRORS = {errno.ELOOP: "it contains a symlink loop", errno.ENAMETOOLONG: "a name in it is too long",
                 errno.EACCES: "the server may not read it"}
@@ -45,6 +49,23 @@ class AdapterAdmin:
     def __init__(self, engine, base_name: str, allowed_dirs: tuple[Path, ...] = ()):
         self.engine, self.base_name = engine, base_name
         self.allowed_roots = tuple(Path(d).expanduser().resolve() for d in allowed_dirs)
+        self._pool = concurrent.futures.ThreadPoolExecutor(ADMIN_THREADS, thread_name_prefix="slora-admin")
+        self._pending = 0  # changed on the event loop only
+
+    async def off_loop(self, fn, *args):
+        """``fn(*args)`` in the admin threads. Why its own: in Starlette's shared thread pool 40 slow adapter
+        loads (a big adapter, a slow disk) held every thread, and every route, ``/health`` included, waited."""
+        if self._pending >= ADMIN_PENDING:
+            raise APIError(503, f"{ADMIN_PENDING} adapter operations are in progress; retry later",
+                           retry_after_s=1.0)
+        self._pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._pending -= 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def check_name(self, name: str) -> None:
         """400 unless ``name`` is a usable adapter name: 1..MAX_NAME_CHARS printable characters, no surrounding
@@ -70,6 +91,10 @@ class AdapterAdmin:
                            "--allowed-adapter-dir)", "lora_path")
         given = self._parse(raw)
         candidates = [given] if given.is_absolute() else [root / given for root in self.allowed_roots]
+        # Outside every allowed directory, even read loosely (symlinks that resolve followed, the rest as written):
+        # 403 before any error that would tell whether a directory exists there (a loop, a name too long).
+        if not any(inside(Path(os.path.realpath(c)), self.allowed_roots) for c in candidates):
+            raise APIError(403, f"{raw[:200]!r} is outside the directories adapters may be loaded from", "lora_path")
         resolved = [self._resolve(raw, c) for c in candidates]
         existing = [real for real, exists in resolved if exists]
         # Nothing there: refuse if any reading of it points outside (``..``, a dangling symlink); else its load says

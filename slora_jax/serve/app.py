@@ -20,7 +20,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 
 from .adapters import AdapterAdmin, timed_out
 from .config import ServerConfig
@@ -65,7 +64,8 @@ class ServeContext:
         return self.engine_thread.engine
 
 
-def serve_context(request: Request) -> ServeContext:
+async def serve_context(request: Request) -> ServeContext:
+    """Async: a plain function dependency takes a thread of Starlette's shared pool for every request."""
     return request.app.state.ctx
 
 
@@ -116,7 +116,7 @@ async def load_lora_adapter(req: LoadLoraRequest, ctx: Ctx):
     name = req.lora_name
     ctx.adapters.check_name(name)
     path = ctx.adapters.resolve_path(req.lora_path)
-    await run_in_threadpool(ctx.adapters.register, name, path)  # reads every weight: off the loop
+    await ctx.adapters.off_loop(ctx.adapters.register, name, path)  # reads every weight: off the loop
     log.info("loaded adapter %s from %s", name, path)
     return {"object": "lora_adapter", "name": name, "path": str(path), "status": "loaded",
             "message": f"Success: LoRA adapter {name!r} added successfully."}
@@ -125,7 +125,7 @@ async def load_lora_adapter(req: LoadLoraRequest, ctx: Ctx):
 @routes.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(req: UnloadLoraRequest, ctx: Ctx):
     name = req.lora_name
-    await run_in_threadpool(ctx.adapters.check_unloadable, name)  # may ask the engine process: off the loop
+    await ctx.adapters.off_loop(ctx.adapters.check_unloadable, name)  # may ask the engine process: off the loop
     await ctx.adapters.unregister(ctx.engine_thread, name, ctx.config.admin_timeout_s)
     log.info("unloaded adapter %s", name)
     return {"object": "lora_adapter", "name": name, "status": "unloaded",
@@ -146,8 +146,8 @@ async def adapter_states(ctx: Ctx, tier: str | None = None):
 @routes.post("/v1/adapters/pin")
 async def pin_adapter(req: PinLoraRequest, ctx: Ctx):
     name, timeout = req.lora_name, ctx.config.admin_timeout_s
-    await run_in_threadpool(ctx.adapters.check_unloadable, name, "pinned")
-    await run_in_threadpool(ctx.adapters.read, name, timeout)  # a disk read: off the loop and the engine thread
+    await ctx.adapters.off_loop(ctx.adapters.check_unloadable, name, "pinned")
+    await ctx.adapters.off_loop(ctx.adapters.read, name, timeout)  # a disk read: off the loop and the engine thread
     state = await ctx.adapters.pin(ctx.engine_thread, name, timeout)
     log.info("pinned adapter %s (%d explicit pins)", name, state["explicit_pins"])
     return {"object": "lora_adapter", "status": "pinned", **state}
@@ -156,7 +156,7 @@ async def pin_adapter(req: PinLoraRequest, ctx: Ctx):
 @routes.post("/v1/adapters/unpin")
 async def unpin_adapter(req: PinLoraRequest, ctx: Ctx):
     name = req.lora_name
-    await run_in_threadpool(ctx.adapters.check_unloadable, name, "unpinned")
+    await ctx.adapters.off_loop(ctx.adapters.check_unloadable, name, "unpinned")
     state = await ctx.adapters.unpin(ctx.engine_thread, name, ctx.config.admin_timeout_s)
     log.info("unpinned adapter %s (%d explicit pins left)", name, state["explicit_pins"])
     return {"object": "lora_adapter", "status": "unpinned", **state}

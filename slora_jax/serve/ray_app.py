@@ -134,6 +134,7 @@ class SloraReplica:
             self.engine_thread.stop()
         if getattr(self, "app", None) is not None:
             self.app.state.ctx.requests.close()
+            self.app.state.ctx.adapters.close()
 
 
 class RelayedResponse(StreamingResponse):

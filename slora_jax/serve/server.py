@@ -172,3 +172,4 @@ class Server:
     def _close(self) -> None:
         self.engine_thread.stop()
         self.ctx.requests.close()
+        self.ctx.adapters.close()
