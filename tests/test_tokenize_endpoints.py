@@ -247,6 +247,11 @@ BAD = {  # id: (path, body, status, message fragment, param)
                        "not supported", "documents"),
     "chat-tool_calls": ("/v1/chat/completions", {"model": BASE_NAME, "messages": [{"role": "assistant", "content": "",
                                                  "tool_calls": [{"id": "c1"}]}]}, 400, "tool_calls", "messages"),
+    # past MAX_MESSAGES the list is refused before its messages are validated one by one on the event loop
+    "too-many-messages": ("/tokenize", {"messages": [{"role": "user", "content": "x"}] * 16385}, 400,
+                          "at most 16384", None),
+    "chat-too-many-messages": ("/v1/chat/completions", {"model": BASE_NAME, "messages": [{"role": "user",
+                                                        "content": "x"}] * 16385}, 400, "at most 16384", None),
     "prompt-not-a-string": ("/tokenize", {"prompt": 123}, 400, "prompt", None),
     "prompt-token-ids": ("/tokenize", {"prompt": [1, 2, 3]}, 400, "prompt", None),
     "add_special_tokens-not-bool": ("/tokenize", {"prompt": "hi", "add_special_tokens": "maybe"}, 400,
