@@ -331,6 +331,18 @@ def test_raising_callback_does_not_corrupt_other_requests(tiny_dir, adapter_dirs
     assert got[1:] == expected[1:]
 
 
+def _serve_to_the_end(eng, rids, expected) -> None:
+    """Step until idle, every step error-free and audited; each request got its tokens alone, nothing is left held."""
+    for _ in range(100):
+        if not eng.has_unfinished():
+            break
+        for out in eng.step():
+            assert out.error is None, out.error
+        _audit(eng)
+    assert [eng.requests[r].output_ids for r in rids] == expected
+    assert eng.pool.stats()["pages_kv"] == 0 and all(eng.store.pin_count(a) == 0 for a in ADAPTERS)
+
+
 def test_a_device_error_mid_admission_leaves_no_pages_or_pins(tiny_dir, adapter_dirs):
     """The device fails the second request's adapter load while the first is already taken into the prefill: the
     step raises, both wait again holding nothing (the first once kept its pages and a pin that no abort released),
@@ -356,14 +368,7 @@ def test_a_device_error_mid_admission_leaves_no_pages_or_pins(tiny_dir, adapter_
     assert failed and all(eng.requests[r].status == Status.WAITING for r in rids)
     _audit(eng)  # no KV pages held by waiting requests, no pins without running ones
     assert eng.pool.stats()["pages_kv"] == 0
-    for _ in range(100):
-        if not eng.has_unfinished():
-            break
-        for out in eng.step():
-            assert out.error is None, out.error
-        _audit(eng)
-    assert [eng.requests[r].output_ids for r in rids] == expected
-    assert eng.pool.stats()["pages_kv"] == 0 and all(eng.store.pin_count(a) == 0 for a in ADAPTERS)
+    _serve_to_the_end(eng, rids, expected)
 
 
 @pytest.mark.parametrize("fails", ["prefill", "logprobs"])
@@ -402,14 +407,7 @@ def test_a_prefill_that_raises_puts_its_batch_back_to_wait(tiny_dir, adapter_dir
     assert [eng.requests[r].status for r in rids[1:]] == [Status.WAITING] * 2
     assert list(eng.scheduler.waiting)[:2] == [eng.requests[r] for r in rids[1:]]  # in order, at the head
     _audit(eng)
-    for _ in range(100):
-        if not eng.has_unfinished():
-            break
-        for out in eng.step():
-            assert out.error is None, out.error
-        _audit(eng)
-    assert [eng.requests[r].output_ids for r in rids] == expected
-    assert eng.pool.stats()["pages_kv"] == 0 and all(eng.store.pin_count(a) == 0 for a in ADAPTERS)
+    _serve_to_the_end(eng, rids, expected)
 
 
 def test_a_raising_callback_leaves_no_other_failed_request_unfinished(tiny_dir, adapter_dirs):

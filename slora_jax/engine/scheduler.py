@@ -413,6 +413,10 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        self._back_to_wait(seq)
+
+    def _back_to_wait(self, seq: Sequence) -> None:
+        """Pages and pin returned, the sequence at the head of the waiting queue (recomputed when admitted)."""
         self.free(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -424,10 +428,7 @@ class Scheduler:
         they went on running with no prompt K/V and decoded wrong tokens."""
         for seq in reversed(seqs):
             if seq.status == Status.RUNNING:
-                self.free(seq)
-                seq.status = Status.WAITING
-                self.waiting.appendleft(seq)
-                self.policy.on_preempted(seq)
+                self._back_to_wait(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status == Status.FINISHED:

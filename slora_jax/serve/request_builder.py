@@ -71,6 +71,7 @@ class PreparedRequest:
     echo_text: str | None = None  # completions with echo: the prompt's text, which the answer starts with
     grammar: GrammarMatcher | None = None  # what the output must match (structured output)
     grammar_spec: GrammarSpec | None = None  # what ``grammar`` was compiled from (an engine process compiles it again)
+    grammar_field: str | None = None  # the request field that asked for it (named in a compile's 400)
 
 
 def _message_fields(index: int, message: ChatMessage) -> dict[str, str]:
@@ -144,8 +145,8 @@ class RequestBuilder:
     def _with_grammar(self, req, prepared: PreparedRequest) -> PreparedRequest:
         if prepared.grammar_spec is None:
             return prepared
-        spec, grammar = self.grammars.compile_request(req)
-        return dataclasses.replace(prepared, grammar=grammar, grammar_spec=spec)
+        return dataclasses.replace(prepared, grammar=self.grammars.compile_asked(prepared.grammar_spec,
+                                                                                 prepared.grammar_field))
 
     def tenant_of(self, headers: Mapping[str, str]) -> str | None:
         """The tenant named by the request's tenant header: None when absent or empty, 400 unless it is at most
@@ -321,9 +322,9 @@ class RequestBuilder:
             field = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), field if field in type(req).model_fields else None) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        asked = grammar_spec(req)  # the fields checked now; compiled by _with_grammar
+        spec, field = grammar_spec(req) or (None, None)  # the fields checked now; compiled by _with_grammar
         return PreparedRequest(kind, req.model, adapter, prompt_ids, sampling, req.return_token_ids, req.stream,
                                include_usage, tenant, req.first_token_slo_s, n=req.best_of_count() or req.samples,
                                best_of_keep=req.samples if req.best_of_count() else None,
                                rank_logprobs_only=bool(req.best_of_count()) and req.logprobs is None,
-                               grammar_spec=asked[0] if asked else None)
+                               grammar_spec=spec, grammar_field=field)

@@ -138,20 +138,12 @@ class RequestGrammars:
         self.compiler = GrammarCompiler(None if tokenizer is None else copy.deepcopy(tokenizer), vocab_size,
                                         eos_token_ids)
 
-    def for_request(self, req) -> GrammarMatcher | None:
-        """The compiled grammar ``req`` asks for (its first mask computed), None if none; 400 with the reason."""
-        compiled = self.compile_request(req)
-        return None if compiled is None else compiled[1]
-
-    def compile_request(self, req) -> tuple[GrammarSpec, GrammarMatcher] | None:
-        """(the grammar ``req`` asks for, compiled), None if none; 400 with the reason. The spec is what crosses to
-        an engine process (a matcher cannot), which compiles it again there (``compile_spec``)."""
-        asked = grammar_spec(req)
-        if asked is None:
-            return None
-        spec, field = asked
+    def compile_asked(self, spec: GrammarSpec, field: str) -> GrammarMatcher:
+        """``spec`` compiled (its first mask computed), as :func:`grammar_spec` found it in the request's ``field``;
+        400 naming the field with the reason. The spec is what crosses to an engine process (a matcher cannot),
+        which compiles it again there (``compile_spec``)."""
         try:
-            return spec, self.compiler.compile(spec)
+            return self.compiler.compile(spec)
         except GrammarError as e:
             raise APIError(400, f"{field}: {e}", field) from None
 
