@@ -52,6 +52,11 @@ class TileDefaults:
     # kernels run in interpret mode: there the aliased pool output is copied on every grid step (~80x slower tiny
     # decode steps on CPU); the CPU tests call that path explicitly.
     decode_rope_in_attention: bool = False
+    # from this many rows up, a bucket at 3/2 of each power of two too (0: powers of two only). Where a step's GEMMs
+    # are bound by FLOPs rather than by reading the weights, padding rows cost time: with midpoints a step pays for at
+    # most half again its rows, not twice (S1: two prompts of ~260 tokens ran in a 1024-row prefill)
+    prefill_mid_buckets_from: int = 0
+    decode_mid_buckets_from: int = 0
 
 
 # Interpret mode and tiny test models run fastest with small tiles (the EngineConfig defaults).
@@ -60,8 +65,11 @@ SMALL_TILES = TileDefaults(lora_block_t=16, attn_block_q=16, min_prefill_bucket=
 # rows: at one row XLA's GEMMs for o_proj and down_proj stream their weights at 57-64% of the copy bandwidth on the
 # H200, at four rows at 87-91% (benchmarks/small_matmul.py, NOTES session 16), so a lone sequence runs faster in a
 # 4-row step than in a 1-row one (the padding rows carry no context and no adapter), and 2 buckets fewer compile.
+# A 7B step's GEMMs cost more than reading its weights from ~150 rows (H200: 4.27 TB/s, ~660 TFLOP/s), so midpoint
+# buckets start at 512 prefill rows (768, 1536, ...) and 128 decode rows (192).
 TRITON_GPU_TILES = TileDefaults(lora_block_t=64, attn_block_q=128, min_prefill_bucket=128, min_decode_bucket=4,
-                                decode_rope_in_attention=True)
+                                decode_rope_in_attention=True, prefill_mid_buckets_from=512,
+                                decode_mid_buckets_from=128)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -222,8 +230,7 @@ def get_backend(name: str) -> KernelBackend:
 
 
 def default_tiles(backend: str, platform: str) -> dict[str, int | bool]:
-    """EngineConfig settings (lora_block_t, attn_block_q, min_prefill_bucket, min_decode_bucket,
-    decode_rope_in_attention) of ``backend`` on ``platform``."""
+    """EngineConfig settings (the fields of ``TileDefaults``) of ``backend`` on ``platform``."""
     return dataclasses.asdict(get_backend(backend).tiles_for(platform))
 
 

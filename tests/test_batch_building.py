@@ -197,7 +197,9 @@ def make_runner(tiny_cfg, rng) -> StepRunner:
     cfg = dataclasses.replace(tiny_cfg, vocab_size=vocab, eos_token_id=(2, int(rng.integers(3, vocab))))
     ecfg = EngineConfig(max_batch_size=32, max_prefill_tokens=256, max_prefill_seqs=8, max_model_len=256,
                         page_size=int(rng.choice([4, 16])), max_lora_rank=8, max_loras=6, num_pages=5000,
-                        dtype="float32", backend="reference")
+                        dtype="float32", backend="reference", lora_block_t=16, attn_block_q=16,
+                        prefill_mid_buckets_from=int(rng.choice([0, 32, 128])),
+                        decode_mid_buckets_from=int(rng.choice([0, 2, 8])))
     return StepRunner(cfg, ecfg)
 
 

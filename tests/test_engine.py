@@ -225,3 +225,30 @@ def test_a_lone_sequence_in_a_padded_decode_bucket_matches_peft(tiny_dir, adapte
     prompt, n = _prompt(rng, eng.cfg.vocab_size), 12
     got = eng.generate([prompt], ["r8-all7"], SamplingParams(max_tokens=n, **GREEDY))[0]
     assert got == hf_generate(tiny_dir, prompt, n, adapter_dirs["r8-all7"])
+
+
+def test_midpoint_buckets_pad_less_and_match_peft(tiny_dir, adapter_dirs):
+    """Buckets at 3/2 of a power of two (the GPU default from 512 prefill rows and 128 decode rows, here from 32 and
+    4): four prompts of 9-11 tokens prefill in a 48-row step and five sequences decode in 6-row steps, not 64 and 8;
+    the tiles of a step that is not a power of two, and its padding rows, change nothing of the tokens."""
+    ecfg = dataclasses.replace(SMALL, prefill_mid_buckets_from=32, decode_mid_buckets_from=4,
+                               decode_lora_variants=False)
+    names = list(adapter_dirs)[:2]
+    eng = Engine.from_model_dir(tiny_dir, ecfg, adapters={n: adapter_dirs[n] for n in names}, progress=False)
+    assert eng.runner.ecfg.prefill_buckets == (16, 32, 48, 64) and eng.runner.ecfg.decode_buckets == (1, 2, 4, 6, 8)
+    rows = {"prefill": [], "decode": []}
+    for kind in rows:
+        build = getattr(eng.runner, f"build_{kind}")
+
+        def spy(items, *a, _build=build, _kind=kind, **kw):
+            out = _build(items, *a, **kw)
+            rows[_kind].append(int(out[0].tokens.shape[0]))
+            return out
+        setattr(eng.runner, f"build_{kind}", spy)
+    rng = np.random.default_rng()
+    prompts, n = [_prompt(rng, eng.cfg.vocab_size, 9, 12) for _ in range(5)], 8
+    adapters = [names[0], None, names[1], names[0], None]
+    got = eng.generate(prompts, adapters, SamplingParams(max_tokens=n, **GREEDY))
+    assert 48 in rows["prefill"] and 6 in rows["decode"], rows
+    for prompt, adapter, ours in zip(prompts, adapters, got, strict=True):
+        assert ours == hf_generate(tiny_dir, prompt, n, adapter_dirs[adapter] if adapter else None), adapter

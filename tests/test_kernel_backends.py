@@ -64,9 +64,9 @@ def test_registering_a_taken_name_needs_replace():
 
 def test_default_tiles_per_platform():
     gpu = dict(lora_block_t=64, attn_block_q=128, min_prefill_bucket=128, min_decode_bucket=4,
-               decode_rope_in_attention=True)
+               decode_rope_in_attention=True, prefill_mid_buckets_from=512, decode_mid_buckets_from=128)
     cpu = dict(lora_block_t=16, attn_block_q=16, min_prefill_bucket=16, min_decode_bucket=1,
-               decode_rope_in_attention=False)
+               decode_rope_in_attention=False, prefill_mid_buckets_from=0, decode_mid_buckets_from=0)
     for name in ("pallas", "pallas-triton", "reference"):
         assert default_tiles(name, "gpu") == gpu
         assert default_tiles(name, "cpu") == cpu
@@ -83,6 +83,22 @@ def test_decode_buckets_start_at_the_platform_default_unless_set():
     assert ecfg.with_platform_defaults("cpu").decode_buckets == (1, 2, 4, 8, 16, 32, 64)
     assert dataclasses.replace(ecfg, min_decode_bucket=1).with_platform_defaults("gpu").decode_buckets[0] == 1
     assert dataclasses.replace(ecfg, max_batch_size=2).with_platform_defaults("gpu").decode_buckets == (4,)
+
+
+def test_midpoint_buckets_on_the_gpu_from_where_padding_rows_cost_flops():
+    """The GPU's buckets add 3/2 of each power of two from 512 prefill rows and 128 decode rows (S1's ~520-token
+    prefills ran in 1024 rows); a midpoint that does not fill whole tiles is left out; 0 turns them off."""
+    ecfg = EngineConfig(max_batch_size=512, max_prefill_tokens=4096, max_model_len=4096)
+    gpu = ecfg.with_platform_defaults("gpu")
+    assert gpu.prefill_buckets == (128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
+    assert gpu.decode_buckets == (4, 8, 16, 32, 64, 128, 192, 256, 384, 512)
+    assert ecfg.with_platform_defaults("cpu").prefill_buckets == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    off = dataclasses.replace(ecfg, prefill_mid_buckets_from=0, decode_mid_buckets_from=0).with_platform_defaults("gpu")
+    assert off.prefill_buckets == (128, 256, 512, 1024, 2048, 4096) and off.decode_buckets[-2:] == (256, 512)
+    coarse = dataclasses.replace(ecfg, prefill_mid_buckets_from=64, attn_block_q=64).with_platform_defaults("gpu")
+    assert coarse.prefill_buckets[:4] == (128, 192, 256, 384)  # 96 (of 64) is not whole 64-row tiles: left out
+    with pytest.raises(ValueError, match="decode_mid_buckets_from"):
+        dataclasses.replace(ecfg, decode_mid_buckets_from=-1).validate()
 
 
 @pytest.fixture

@@ -17,6 +17,14 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
         b *= 2
 
 
+def step_buckets(lo: int, hi: int, mid_from: int | None = None, multiple_of: int = 1) -> tuple[int, ...]:
+    """``pow2_buckets(lo, hi)`` plus, for each power of two b >= ``mid_from`` (None or 0: none) below the largest,
+    the midpoint 3b/2 when it is a multiple of ``multiple_of`` (the tiles a step's rows must fill)."""
+    pow2 = pow2_buckets(lo, hi)
+    mids = [3 * b // 2 for b in pow2[:-1] if mid_from and b >= mid_from and b % 2 == 0]
+    return tuple(sorted(pow2 + tuple(m for m in mids if m % multiple_of == 0)))
+
+
 LAYER_LOOPS = ("auto", "scan", "unroll")
 POOL_FRACTION = 0.85  # of the device memory free after the weights, when the pool size is not given
 CPU_POOL_BYTES = 256 << 20
@@ -108,6 +116,9 @@ class EngineConfig:
     min_prefill_bucket: int | None = None  # None: the backend's default for the platform (with_platform_defaults)
     # smallest decode batch compiled (fewer buckets = shorter warm-up); None: the backend's default for the platform
     min_decode_bucket: int | None = None
+    # buckets at 3/2 of each power of two from this size up (0: off; None: the backend's default for the platform)
+    prefill_mid_buckets_from: int | None = None
+    decode_mid_buckets_from: int | None = None
     decode_lora_variants: bool = True  # compile decode steps without MLP / without any LoRA kernels (3x buckets)
     # decode rotates q and k and writes the new KV inside its attention kernel (False: rotate in XLA, scatter, attend;
     # kept for comparisons). Tensor parallel steps always take the three steps. None: the backend's platform default
@@ -127,11 +138,12 @@ class EngineConfig:
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:
-        return pow2_buckets(self.min_decode_bucket, self.max_batch_size)
+        return step_buckets(self.min_decode_bucket, self.max_batch_size, self.decode_mid_buckets_from)
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
-        return pow2_buckets(self.min_prefill_bucket, self.max_prefill_tokens)
+        tiles = max(self.lora_block_t or 1, self.attn_block_q or 1)  # a prefill step's rows fill whole tiles
+        return step_buckets(self.min_prefill_bucket, self.max_prefill_tokens, self.prefill_mid_buckets_from, tiles)
 
     def with_pool_size(self, device_memory_stats: dict | None) -> EngineConfig:
         """``pool_bytes`` from the device's free memory when neither it nor ``num_pages`` is set (call it after the
@@ -179,6 +191,9 @@ class EngineConfig:
                      "max_lora_rank", "max_loras", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("prefill_mid_buckets_from", "decode_mid_buckets_from"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: powers of two only), got {getattr(self, name)}")
         if self.max_staged_adapters != 0 and self.max_staged_adapters < self.max_prefill_seqs:
             raise ValueError(f"max_staged_adapters must be 0 (off) or >= max_prefill_seqs ({self.max_prefill_seqs}), "
                              f"got {self.max_staged_adapters}")

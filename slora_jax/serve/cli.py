@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="copy each step's input into one persistent device buffer, so the step's CUDA graph is not "
                    "updated every call (default: on on a GPU, off on CPU)")
     e.add_argument("--no-warmup", action="store_true", help="compile step buckets on first use instead of now")
+    e.add_argument("--no-mid-buckets", action="store_true", help="step sizes at powers of two only (default on a "
+                   "GPU: also 3/2 of each from 512 prefill tokens and 128 decode rows; fewer padding rows)")
     e.add_argument("--compilation-cache-dir", type=Path, default=Path(os.environ.get(
                        "SLORA_JAX_CACHE_DIR", Path.home() / ".cache" / "slora_jax")) / "xla",
                    help="keep compiled steps here (and each step's executable under executables/) so a restart "
@@ -300,17 +302,15 @@ def batch_size(args: argparse.Namespace, on_gpu: bool) -> int:
 
 def batch_from_pool(args: argparse.Namespace, on_gpu: bool) -> bool:
     """Whether the engine lowers the batch to what its pool holds (``EngineConfig.batch_from_pool``): on a GPU
-    without --max-batch-size. The bound is 256, not 512: on the H200 512 rows gave S1 +3% requests a second but
-    S2 with 2000 adapters -4.7% (its adapters' pages took the KV's), and 1.8x the time between tokens (NOTES,
-    sessions 21-22)."""
+    without --max-batch-size. The bound is 256, not 512: on the H200 512 rows gave S1 +3% requests a second but S2
+    with 2000 adapters -4.7% (adapter pages took the KV's), 1.8x the time between tokens (NOTES, sessions 21-22)."""
     return on_gpu and not args.max_batch_size
 
 
 def max_loras(args: argparse.Namespace, batch: int) -> int:
-    """Adapter slots: --max-loras, else one per running sequence of the batch's bound (the pool may lower the batch,
-    not the slots: they are fixed when the pool is built). A slot costs only its table row; its pages come
-    from the shared pool as the adapter is loaded. With 64 slots for a batch of 256 on the H200, S1 (2000 adapters,
-    power-law popularity) ran ~72 sequences a step: the rest waited for a slot, not for memory."""
+    """Adapter slots: --max-loras, else one per running sequence of the batch's bound (fixed when the pool is built;
+    a slot costs its table row, its pages come from the pool). With 64 slots for a batch of 256 on the H200, S1 (2000
+    adapters, power-law popularity) ran ~72 sequences a step: the rest waited for a slot, not for memory."""
     return args.max_loras or batch
 
 
@@ -318,9 +318,7 @@ def served_model_name(args: argparse.Namespace) -> str:
     """The name clients use for the base model."""
     from .demo import DEMO_MODEL_NAME
 
-    if args.served_model_name:
-        return args.served_model_name
-    return DEMO_MODEL_NAME if args.model is None else args.model.expanduser().resolve().name
+    return args.served_model_name or (DEMO_MODEL_NAME if args.model is None else args.model.expanduser().resolve().name)
 
 
 def resolve_model(args: argparse.Namespace, dtype: str) -> tuple[Path, list[Path], str]:
@@ -410,6 +408,7 @@ def build_engine_parts(args: argparse.Namespace):
         pool_bytes=pool_bytes, num_pages=args.num_pages, dtype=dtype, backend=backend, max_waiting=args.max_waiting,
         layer_loop=args.layer_loop, **scheduling_options(args),
         tensor_parallel_size=args.tensor_parallel_size, fully_sharded_loras=args.fully_sharded_loras,
+        **(dict(prefill_mid_buckets_from=0, decode_mid_buckets_from=0) if args.no_mid_buckets else {}),
         decode_lora_variants=on_gpu).validate(cfg)  # before the weights load; decode variants: launches matter on GPUs
     # kernel tiles: the backend's defaults for this platform (pallas_kernels.backends.default_tiles)
     # The tokenizer loads in a thread beside the weights and the warm-up: nothing needs it before serving, and a
