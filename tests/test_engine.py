@@ -230,9 +230,10 @@ def test_a_lone_sequence_in_a_padded_decode_bucket_matches_peft(tiny_dir, adapte
 def test_midpoint_buckets_pad_less_and_match_peft(tiny_dir, adapter_dirs):
     """Buckets at 3/2 of a power of two (the GPU default from 512 prefill rows and 128 decode rows, here from 32 and
     4): four prompts of 9-11 tokens prefill in a 48-row step and five sequences decode in 6-row steps, not 64 and 8;
-    the tiles of a step that is not a power of two, and its padding rows, change nothing of the tokens."""
-    ecfg = dataclasses.replace(SMALL, prefill_mid_buckets_from=32, decode_mid_buckets_from=4,
-                               decode_lora_variants=False)
+    the tiles of a step that is not a power of two, and its padding rows, change nothing of the tokens. Tiles set
+    (16 rows) so that the GPU suite runs the same 48-row step."""
+    ecfg = dataclasses.replace(SMALL, prefill_mid_buckets_from=32, decode_mid_buckets_from=4, min_prefill_bucket=16,
+                               min_decode_bucket=1, lora_block_t=16, attn_block_q=16, decode_lora_variants=False)
     names = list(adapter_dirs)[:2]
     eng = Engine.from_model_dir(tiny_dir, ecfg, adapters={n: adapter_dirs[n] for n in names}, progress=False)
     assert eng.runner.ecfg.prefill_buckets == (16, 32, 48, 64) and eng.runner.ecfg.decode_buckets == (1, 2, 4, 6, 8)
