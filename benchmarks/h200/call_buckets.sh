@@ -3,7 +3,7 @@
 # 768 / 1536 prefill rows, 192 decode rows) and then with --no-mid-buckets, on one machine (machine to machine S1
 # moves ~5%, more than the change). The first server starts cold (its warm-up is issue 14's bar, <= 104 s for 7B),
 # the second from the first's compilation cache. Each run is call_http.sh ep with RATES=sat INPROC=0 (~230 s cold,
-# ~130 s warm); the first run's files move to $OUT/mid/, the second's to $OUT/pow2/.
+# ~130 s warm); each run's files move to $OUT/mid/ or $OUT/pow2/. VARIANTS="pow2 mid" reverses the order.
 # Run tool: timeout_s 600, carry [".whl"], command `bash benchmarks/h200/call_buckets.sh`.
 #   H200_DRY=1 PRESET=tiny N_ADAPTERS=32 WORK=/tmp/bk-work bash benchmarks/h200/call_buckets.sh   # CPU dry run
 set -uo pipefail
@@ -11,7 +11,7 @@ cd "$(dirname "$0")/../.." || exit 1
 start=$(date +%s)
 limit=${CALL_LIMIT_S:-575}
 if [ -n "${H200_DRY:-}" ]; then export OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"; fi
-for variant in mid pow2; do
+for variant in ${VARIANTS:-mid pow2}; do
     args=${HTTP_ARGS:-}
     [ "$variant" = pow2 ] && args="$args --no-mid-buckets"
     spent=$(( $(date +%s) - start ))
