@@ -18,6 +18,7 @@ from slora_jax.engine import compile_counter
 from slora_jax.engine.config import EngineConfig
 from slora_jax.engine.engine import Engine
 from slora_jax.engine.sampling import SamplingParams
+from slora_jax.engine.step_runner import compile_with_retries
 
 ECFG = dict(max_batch_size=4, max_prefill_tokens=32, max_prefill_seqs=2, max_model_len=32, page_size=4,
             max_lora_rank=8, max_loras=2, num_pages=64, dtype="float32", backend="reference", min_prefill_bucket=16)
@@ -119,3 +120,33 @@ def test_compile_workers_follow_the_cache_the_override_cores_and_memory(monkeypa
     monkeypatch.setenv("SLORA_JAX_COMPILE_WORKERS", "zero")
     with pytest.raises(ValueError, match="SLORA_JAX_COMPILE_WORKERS"):
         compile_counter.compile_workers()
+
+
+class _Lowered:
+    """A lowered step whose compile fails with the given errors first, then returns its executable (a fresh object)."""
+
+    def __init__(self, errors):
+        self.errors, self.calls = list(errors), 0
+        self.result = object()
+
+    def compile(self):
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return self.result
+
+
+def test_a_compile_that_fails_to_launch_its_tool_is_tried_again_and_others_raise():
+    """Session 28: one of 8 compile threads of a 7B server failed with "Failed to launch ptxas" and the server did
+    not start. That kind is tried again (up to 3 tries); any other error, and a third failure, still raise."""
+    launch = RuntimeError("INTERNAL: Failed to launch ptxas")
+    once = _Lowered([launch])
+    assert compile_with_retries(once, pause_s=0) is once.result and once.calls == 2
+    other = _Lowered([RuntimeError("RESOURCE_EXHAUSTED: out of memory")])
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        compile_with_retries(other, pause_s=0)
+    assert other.calls == 1
+    always = _Lowered([launch] * 3)
+    with pytest.raises(RuntimeError, match="Failed to launch"):
+        compile_with_retries(always, pause_s=0)
+    assert always.calls == 3

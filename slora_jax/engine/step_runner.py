@@ -34,6 +34,22 @@ from .sampling import MAX_LOGIT_BIAS, SamplingArrays, SamplingParams, sample, sa
 from .stable_inputs import StableInputs
 
 log = logging.getLogger(__name__)
+# A compile that fails to start one of the GPU compiler's tools (H200, session 28: "INTERNAL: Failed to launch ptxas"
+# on one of 8 compile threads, once in ~10 cold starts of a 7B server) is tried again, up to this many times
+TRANSIENT_COMPILE_ERRORS = ("Failed to launch",)
+COMPILE_TRIES = 3
+
+
+def compile_with_retries(lowered, tries: int = COMPILE_TRIES, pause_s: float = 1.0):
+    """``lowered.compile()``, again after a transient launch failure; any other error, or the last try's, raises."""
+    for attempt in range(1, tries + 1):
+        try:
+            return lowered.compile()
+        except Exception as e:  # only the transient kinds are tried again
+            if attempt == tries or not any(m in str(e) for m in TRANSIENT_COMPILE_ERRORS):
+                raise
+            log.warning("compile failed (%s); try %d of %d in %.0f s", str(e)[:200], attempt + 1, tries, pause_s)
+            time.sleep(pause_s)
 
 
 @dataclasses.dataclass
@@ -376,7 +392,7 @@ class StepRunner:
         each compiled step is saved there for the next start."""
         def compile_and_store(lowered, key):
             hits = compile_counter.thread_cache_hits()
-            compiled = lowered.compile()
+            compiled = compile_with_retries(lowered)
             # an executable JAX loaded from its persistent cache is not stored again: on XLA:CPU (jax 0.10.2) one
             # re-serialized that way loads at the next start and fails at its first run ("Function ... not found")
             if store is None:
