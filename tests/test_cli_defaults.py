@@ -141,3 +141,27 @@ def test_available_memory_follows_a_cgroup_limit(tmp_path):
     limit.write_text("2000\n")
     assert _cgroup_room(files) == 0
     assert _cgroup_room(((str(tmp_path / "none"), str(usage)),)) is None
+
+
+def test_no_mid_buckets_turns_the_platform_midpoints_off(tiny_dir, monkeypatch):
+    """The platform's midpoint buckets (GPU: from 512 prefill rows and 128 decode rows; patched in here over the CPU
+    tiles) reach the engine unless --no-mid-buckets, which sets both to 0 (powers of two only)."""
+    import slora_jax.engine.config as engine_config
+
+    cpu_tiles = engine_config.default_tiles
+
+    def tiles_with_mids(backend, platform):
+        return {**cpu_tiles(backend, platform), "prefill_mid_buckets_from": 32, "decode_mid_buckets_from": 4}
+
+    monkeypatch.setattr(engine_config, "default_tiles", tiles_with_mids)
+    base = ["--model", str(tiny_dir), "--num-pages", "128", "--max-model-len", "64", "--max-batch-size", "8",
+            "--no-warmup", "--no-compilation-cache", "--backend", "reference", "--dtype", "float32"]
+    for flags, mids, prefill, decode in (([], (32, 4), 48, 6), (["--no-mid-buckets"], (0, 0), None, None)):
+        engine, _, _ = build_engine(build_parser().parse_args(base + flags))
+        try:
+            ecfg = engine.runner.ecfg
+            assert (ecfg.prefill_mid_buckets_from, ecfg.decode_mid_buckets_from) == mids, flags
+            assert (prefill in ecfg.prefill_buckets) if prefill else all(b & (b - 1) == 0 for b in ecfg.prefill_buckets)
+            assert (decode in ecfg.decode_buckets) if decode else all(b & (b - 1) == 0 for b in ecfg.decode_buckets)
+        finally:
+            engine.store.close()
