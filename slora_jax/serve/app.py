@@ -217,7 +217,7 @@ def create_app(engine_thread: EngineHandle, config: ServerConfig, tokenizer=None
     install_error_handlers(app)
     app.add_exception_handler(EngineUnavailable, _engine_unavailable)
     app.include_router(routes)
-    app.add_middleware(BodyLimits, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    app.add_middleware(BodyLimits, max_bytes=config.body_bytes_limit(max_model_len), timeout_s=config.body_timeout_s)
     app.add_middleware(RequestGate, api_key=config.api_key, metrics=metrics, endpoints=api_route_paths(routes),
                        drain=ctx.drain)  # added last: outermost, so auth and the drain come before the body is read
     return app

@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("SLORA_JAX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $SLORA_JAX_API_KEY; an empty key is "
                    "refused); also turns off /docs, /redoc and /openapi.json")
-    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body (413 beyond)")
+    s.add_argument("--max-body-bytes", type=positive_int, default=None, help="largest request body, 413 beyond "
+                   "(default: 6 bytes a prompt character plus 1 MiB, at least 4 MiB)")
     s.add_argument("--max-prompt-chars", type=int, default=None,
                    help=f"longest text prompt or chat, in characters (default: {PROMPT_CHARS_PER_TOKEN} per token of "
                    "--max-model-len)")

@@ -11,6 +11,20 @@ from pathlib import Path
 # A prompt of more characters than this many per context token could never fit: tokens of Llama-family vocabularies
 # rarely exceed 16 characters. The limit bounds tokenization work (which grows with the text) before it starts.
 PROMPT_CHARS_PER_TOKEN = 32
+# Request bodies: at least 4 MiB, and room for a longest prompt as a JSON client may write it (Python's json.dumps
+# escapes every non-ASCII character to 6 bytes, \uXXXX) plus 1 MiB of other fields, so --max-prompt-chars (or a long
+# --max-model-len) is never cut short by the body limit first
+MIN_BODY_BYTES = 4 * 2**20
+BODY_BYTES_PER_PROMPT_CHAR = 6
+BODY_BYTES_BESIDE_PROMPT = 2**20
+
+
+def body_bytes_limit(max_body_bytes: int | None, max_prompt_chars: int | None, max_model_len: int) -> int:
+    """The largest request body: ``max_body_bytes`` if set, else the prompt limit's JSON size (at least 4 MiB)."""
+    if max_body_bytes is not None:
+        return max_body_bytes
+    chars = max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_PROMPT_CHAR * chars + BODY_BYTES_BESIDE_PROMPT)
 
 DEFAULT_TENANT_HEADER = "X-Tenant-Id"
 MAX_TENANT_CHARS = 256  # a tenant id is a key the fairness policy keeps state under: bounded, printable ASCII
@@ -45,7 +59,7 @@ class ServerConfig:
     allowed_adapter_dirs: tuple[Path, ...] = ()  # runtime loads only from below these (resolved) directories
     metrics_timeout_s: float = 5.0
     admin_timeout_s: float = 60.0
-    max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
+    max_body_bytes: int | None = None  # larger request bodies get 413; None: body_bytes_limit's default
     max_prompt_chars: int | None = None  # None: PROMPT_CHARS_PER_TOKEN per token of the context
     header_timeout_s: float = 10.0  # from a request's first byte (or the connection's start) to its last header
     body_timeout_s: float = 30.0  # from the last header to the last byte of the body (408 after)
@@ -70,7 +84,7 @@ class ServerConfig:
         check_api_key(self.api_key)
         check_header_name(self.tenant_header)
         for name in ("max_body_bytes", "header_timeout_s", "body_timeout_s", "tokenizer_threads"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.max_prompt_chars is not None and self.max_prompt_chars <= 0:
             raise ValueError(f"max_prompt_chars must be positive, got {self.max_prompt_chars!r}")
@@ -81,3 +95,6 @@ class ServerConfig:
 
     def prompt_chars_limit(self, max_model_len: int) -> int:
         return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
+
+    def body_bytes_limit(self, max_model_len: int) -> int:
+        return body_bytes_limit(self.max_body_bytes, self.max_prompt_chars, max_model_len)
