@@ -10,13 +10,14 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
+from collections import Counter, deque
 
 import numpy as np
 import pytest
 
 from slora_jax.engine.adapter_store import NoRoom
 from slora_jax.engine.config import EngineConfig
+from slora_jax.engine.policies import PolicyContext, make_policy
 from slora_jax.engine.sampling import SamplingParams
 from slora_jax.engine.scheduler import Scheduler
 from slora_jax.engine.sequence import Sequence, Status
@@ -234,6 +235,10 @@ def test_vtc_keeps_backlogged_tenants_within_its_bound(policy):
     ecfg = base_cfg(scheduling_policy=policy, max_batch_size=8)
     trace = []
     for tenant, rate in (("heavy", 100.0), ("light", 10.0)):  # both backlogged: ~10x what the device serves
+        # and from the start: 16 requests each at t=0. Without them the light tenant's queue could empty early (a 1 s
+        # gap among its first arrivals, 1 seed in 300), and VTC rightly lifts an idle tenant's counter, which the
+        # service counted here from t=0 does not see
+        trace += [Request(0.0, int(rng.integers(8, 128)), int(rng.integers(8, 64)), tenant=tenant) for _ in range(16)]
         t = 0.0
         while t < 30.0:
             t += rng.exponential(1 / rate)
@@ -247,6 +252,31 @@ def test_vtc_keeps_backlogged_tenants_within_its_bound(policy):
         assert abs(got["heavy"] - got["light"]) <= bound, got
     else:  # FCFS: the heavy tenant takes about its share of arrivals, ~10x the light one's
         assert got["heavy"] > 5 * got["light"], got
+
+
+def test_vtc_reserved_slot_goes_to_a_tenant_below_its_share_only_while_it_is_not_ahead():
+    """The last slot (the reserve) once went to any tenant below its share of the batch, even one ahead in service:
+    the reserve then held the shares of the batch equal whatever the counters said, and the service difference
+    walked away (10.6 U after 30 s in one simulated trace of 200; the bound is 10 U). Now a tenant ahead of the least
+    served one waits for VTC's order; one level with it or behind still takes the reserve."""
+    ecfg = base_cfg(scheduling_policy="vtc", max_batch_size=8)
+    vtc = make_policy("vtc", PolicyContext(ecfg))
+    rng = np.random.default_rng()
+    seqs = {t: [Sequence(prompt_ids=[1] * int(rng.integers(8, 64)), adapter=None, tenant=t, arrival_time=0.0,
+                         sampling=SamplingParams(max_tokens=8)) for _ in range(6)] for t in ("heavy", "light")}
+    for t in seqs:
+        for seq in seqs[t]:
+            vtc.on_arrival(seq)
+    vtc.on_admitted(seqs["heavy"][:4] + seqs["light"][:3], deque())  # 7 of 8 rows: the last one is the reserve
+    lead = float(rng.uniform(1, 500))
+    vtc.counter["heavy"], vtc.counter["light"] = 1000.0, 1000.0 + lead
+    assert not vtc.may_take_slot(seqs["light"][3], free_slots=1)  # below its share (3 of 8) but ahead
+    assert not vtc.may_take_slot(seqs["heavy"][4], free_slots=1)  # the least served, at its share (4 of 8)
+    vtc.counter["light"] = 1000.0 - lead
+    assert vtc.may_take_slot(seqs["light"][3], free_slots=1)  # below its share and behind
+    vtc.counter["light"] = 1000.0
+    assert vtc.may_take_slot(seqs["light"][3], free_slots=1)  # level
+    assert vtc.may_take_slot(seqs["heavy"][4], free_slots=2)  # outside the reserve: VTC's order decides
 
 
 def test_vtc_gives_an_idle_tenant_no_banked_credit():
