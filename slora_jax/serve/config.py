@@ -19,12 +19,18 @@ BODY_BYTES_PER_PROMPT_CHAR = 6
 BODY_BYTES_BESIDE_PROMPT = 2**20
 
 
+def prompt_chars_limit(max_prompt_chars: int | None, max_model_len: int) -> int:
+    """The longest prompt in characters: ``max_prompt_chars`` if set, else ``PROMPT_CHARS_PER_TOKEN`` a token."""
+    return max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
+
+
 def body_bytes_limit(max_body_bytes: int | None, max_prompt_chars: int | None, max_model_len: int) -> int:
     """The largest request body: ``max_body_bytes`` if set, else the prompt limit's JSON size (at least 4 MiB)."""
     if max_body_bytes is not None:
         return max_body_bytes
-    chars = max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
+    chars = prompt_chars_limit(max_prompt_chars, max_model_len)
     return max(MIN_BODY_BYTES, BODY_BYTES_PER_PROMPT_CHAR * chars + BODY_BYTES_BESIDE_PROMPT)
+
 
 DEFAULT_TENANT_HEADER = "X-Tenant-Id"
 MAX_TENANT_CHARS = 256  # a tenant id is a key the fairness policy keeps state under: bounded, printable ASCII
@@ -94,7 +100,7 @@ class ServerConfig:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s!r}")
 
     def prompt_chars_limit(self, max_model_len: int) -> int:
-        return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
+        return prompt_chars_limit(self.max_prompt_chars, max_model_len)
 
     def body_bytes_limit(self, max_model_len: int) -> int:
         return body_bytes_limit(self.max_body_bytes, self.max_prompt_chars, max_model_len)
