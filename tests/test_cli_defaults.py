@@ -151,7 +151,9 @@ def test_no_mid_buckets_turns_the_platform_midpoints_off(tiny_dir, monkeypatch):
     cpu_tiles = engine_config.default_tiles
 
     def tiles_with_mids(backend, platform):
-        return {**cpu_tiles(backend, platform), "prefill_mid_buckets_from": 32, "decode_mid_buckets_from": 4}
+        # 16-row tiles and buckets from 16, so the 48-row midpoint exists on any platform (the GPU's tiles are larger)
+        return {**cpu_tiles(backend, platform), "prefill_mid_buckets_from": 32, "decode_mid_buckets_from": 4,
+                "lora_block_t": 16, "attn_block_q": 16, "min_prefill_bucket": 16}
 
     monkeypatch.setattr(engine_config, "default_tiles", tiles_with_mids)
     base = ["--model", str(tiny_dir), "--num-pages", "128", "--max-model-len", "64", "--max-batch-size", "8",
