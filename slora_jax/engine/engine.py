@@ -197,6 +197,8 @@ class Engine:
         outputs += self._end_failed()
         self.last_plan = plan
         previous, previous_kind = self._inflight, self._inflight_kind
+        if previous is not None and all(s.status == Status.FINISHED for s in previous[0]):
+            previous = None  # nothing to read back; a failed step's error (its batch aborted) is not raised again
         t1 = time.perf_counter()
         if plan is not None:
             try:
@@ -306,8 +308,10 @@ class Engine:
         return each_then_raise(zip(seqs, rows, strict=True), append)
 
     def _end_failed(self) -> list[RequestOutput]:
-        """End the requests the scheduler could not serve (every one, even if a callback raises)."""
-        return each_then_raise(self.scheduler.take_failed(), lambda f: self._finish(f[0], "error", *f[1:]))
+        """End the requests the scheduler could not serve (every one, even if a callback raises); one aborted since
+        (a step raised before reporting it) has had its final output."""
+        failed = [f for f in self.scheduler.take_failed() if f[0].status != Status.FINISHED]
+        return each_then_raise(failed, lambda f: self._finish(f[0], "error", *f[1:]))
 
     def _item(self, seq: Sequence, kind: str) -> StepItem:
         mask = seq.grammar.mask() if seq.grammar is not None else None
@@ -485,13 +489,9 @@ class Engine:
 
     def stats(self) -> dict:
         return {
-            "waiting": len(self.scheduler.waiting),
-            "running": len(self.scheduler.running),
-            "steps": self.num_steps,
-            "preemptions": self.scheduler.num_preemptions,
-            "deadline_aborts": self.scheduler.num_deadline_aborts,
-            "compiles": compile_counter.compile_count(),
-            "compiles_since_warmup": self.compiles_since_warmup(),
+            "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running), "steps": self.num_steps,
+            "preemptions": self.scheduler.num_preemptions, "deadline_aborts": self.scheduler.num_deadline_aborts,
+            "compiles": compile_counter.compile_count(), "compiles_since_warmup": self.compiles_since_warmup(),
             "step_seconds": dict(self.time_in),
             "steps_by_kind": {kind: dict(v) for kind, v in self.clock.by_kind.items()},
             "pool": self.pool.stats(kv_tokens_live=self.scheduler.live_kv_tokens()),
