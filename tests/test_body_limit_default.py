@@ -9,7 +9,7 @@ import httpx
 import pytest
 from server_fixtures import BASE_NAME, start_server_with_options
 
-from slora_jax.serve.config import MIN_BODY_BYTES, ServerConfig, body_bytes_limit
+from slora_jax.serve.config import DEFAULT_MAX_MODEL_LEN, MIN_BODY_BYTES, ServerConfig, body_bytes_limit, context_len
 
 PROMPT_CHARS = 800_000
 
@@ -22,6 +22,15 @@ def test_the_default_is_six_bytes_a_prompt_character_and_one_mib_at_least_four()
     assert ServerConfig(served_model_name="m", max_prompt_chars=10).body_bytes_limit(64) == MIN_BODY_BYTES
     with pytest.raises(ValueError, match="max_body_bytes"):
         ServerConfig(served_model_name="m", max_body_bytes=0)
+
+
+def test_the_context_without_max_model_len_is_one_rule_for_the_cli_and_the_ray_ingress():
+    """The Ray ingress loads no model, so it sizes bodies for the CLI's default context; both read context_len."""
+    assert DEFAULT_MAX_MODEL_LEN == 2048
+    assert context_len(None) == 2048  # the ingress: no model limits known
+    assert context_len(None, 4096, None) == 2048 and context_len(None, 1024, 0) == 1024
+    assert context_len(None, 4096, 512) == 512  # a sliding window shorter than the default
+    assert context_len(3000, 1024, 512) == 3000  # --max-model-len set: kept (the engine checks it against the model)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 import threading
@@ -21,7 +20,15 @@ from pallas_kernels.backends import backend_names
 
 from ..engine.config import MIN_POOL_BATCH, ROW_TOKENS, EngineConfig
 from ..engine.policies import POLICIES
-from .config import DEFAULT_TENANT_HEADER, PROMPT_CHARS_PER_TOKEN, ServerConfig, check_api_key, check_header_name
+from .config import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_TENANT_HEADER,
+    PROMPT_CHARS_PER_TOKEN,
+    ServerConfig,
+    check_api_key,
+    context_len,
+)
+from .flag_types import header_name, non_negative_int, positive_int, positive_seconds, vtc_weights
 
 log = logging.getLogger("slora_jax.serve")
 GPU_BATCH_BOUND = 256  # a GPU server's batch without --max-batch-size: this, lowered to what the pool holds
@@ -67,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{ROW_TOKENS} tokens of KV a row, a power of two from {MIN_POOL_BATCH} to {GPU_BATCH_BOUND}; 64 on "
                    "CPU); admission may run fewer, as each request reserves its worst-case KV")
     e.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + output tokens (default: the model's, at most 2048)")
+                   help=f"prompt + output tokens (default: the model's, at most {DEFAULT_MAX_MODEL_LEN})")
     e.add_argument("--max-prefill-tokens", type=int, default=None, help="tokens per prefill step (>= max-model-len)")
     e.add_argument("--max-waiting", type=int, default=4096, help="queued requests before 429")
     e.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -162,55 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ray-address", default=None, metavar="ADDR", help="Ray cluster to join ('auto': the one this "
                    "machine belongs to; ray://HOST:10001); default: start a local one")
     return p
-
-
-# ---------------------------------------------------------------- flag values (argparse types: bad ones exit 2)
-def positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number of seconds, got {text!r}")
-    return value
-
-
-def vtc_weights(text: str) -> tuple[float, float]:
-    parts = text.split(",")
-    try:
-        weights = tuple(float(x) for x in parts)
-    except ValueError:
-        weights = ()
-    if len(weights) != 2:
-        raise argparse.ArgumentTypeError(f"expected IN,OUT (two numbers, e.g. 1,2), got {text!r}")
-    if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
-        raise argparse.ArgumentTypeError(f"weights must be finite and >= 0, not both 0, got {text!r}")
-    return weights
-
-
-def _int(text: str, lowest: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < lowest:
-        raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {value}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    return _int(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    return _int(text, 0)
-
-
-def header_name(text: str) -> str:
-    try:
-        return check_header_name(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # flags that only one policy reads: given with another policy they do nothing, which the log says
@@ -396,7 +354,7 @@ def build_engine_parts(args: argparse.Namespace):
     lora_modules = parse_lora_modules(args.lora_modules)
 
     cfg = ModelConfig.from_model_dir(model_dir)
-    max_len = args.max_model_len or min(cfg.max_position_embeddings, 2048, cfg.sliding_window or 2048)
+    max_len = context_len(args.max_model_len, cfg.max_position_embeddings, cfg.sliding_window)
     # no --pool-gb / --num-pages: the engine sizes the pool from the memory free once the weights are loaded
     pool_bytes = None if args.num_pages else int(args.pool_gb * 2**30) if args.pool_gb else None
     batch = batch_size(args, on_gpu)

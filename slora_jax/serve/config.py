@@ -19,6 +19,17 @@ BODY_BYTES_PER_PROMPT_CHAR = 6
 BODY_BYTES_BESIDE_PROMPT = 2**20
 
 
+# The context served when --max-model-len is unset, unless the model allows less: 2048 tokens keep a 7B model's
+# worst-case KV per request small enough that the pool holds a full batch (the ingress of a Ray deployment, which
+# loads no model, assumes it too)
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def context_len(max_model_len: int | None, *model_limits: int | None) -> int:
+    """``max_model_len`` if set, else ``DEFAULT_MAX_MODEL_LEN`` or the least of the model's limits below it."""
+    return max_model_len or min([DEFAULT_MAX_MODEL_LEN, *(m for m in model_limits if m)])
+
+
 def prompt_chars_limit(max_prompt_chars: int | None, max_model_len: int) -> int:
     """The longest prompt in characters: ``max_prompt_chars`` if set, else ``PROMPT_CHARS_PER_TOKEN`` a token."""
     return max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len

@@ -35,7 +35,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import LoggingConfig
 
 from .asgi_relay import RelayedRequest, ResponseStart, relay
-from .config import body_bytes_limit
+from .config import body_bytes_limit, context_len
 from .errors import error_response, install_error_handlers
 from .limits import BodyLimits
 from .protocol import error_body
@@ -240,8 +240,8 @@ def build_app(args: argparse.Namespace, base_model: str, replica_resources: dict
     # one relay per two engines: on a CPU core an ingress relays ~75 whole responses/s, ~3 H200s' worth (RAY.md)
     ingress = serve.deployment(SloraIngress).options(num_replicas=-(-args.replicas // 2), max_ongoing_requests=100_000,
                                                     ray_actor_options={"num_cpus": 0}, logging_config=logs)
-    # the replicas' context is not known here: the CLI's default (at most 2048 tokens) unless --max-model-len is set
-    body_bytes = body_bytes_limit(args.max_body_bytes, args.max_prompt_chars, args.max_model_len or 2048)
+    # the replicas' context is not known here: the CLI's default unless --max-model-len is set
+    body_bytes = body_bytes_limit(args.max_body_bytes, args.max_prompt_chars, context_len(args.max_model_len))
     return ingress.bind(replica.bind(args), base_model, body_bytes, args.body_timeout_s, routing)
 
 
