@@ -19,9 +19,9 @@ BODY_BYTES_PER_PROMPT_CHAR = 6
 BODY_BYTES_BESIDE_PROMPT = 2**20
 
 
-# The context served when --max-model-len is unset, unless the model allows less: 2048 tokens keep a 7B model's
-# worst-case KV per request small enough that the pool holds a full batch (the ingress of a Ray deployment, which
-# loads no model, assumes it too)
+# The context served when --max-model-len is unset, unless the model allows less (admission reserves a request's
+# worst-case KV, so a longer default would shrink the batch the pool holds). One rule for the CLI and for the ingress
+# of a Ray deployment, which loads no model and sizes request bodies for it.
 DEFAULT_MAX_MODEL_LEN = 2048
 
 
