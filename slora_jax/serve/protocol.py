@@ -14,10 +14,22 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.forks import MAX_SAMPLES
 from ..engine.sampling import MAX_LOGPROBS, SamplingParams
+from .body_types import (
+    AdapterWeights,
+    ContentParts,
+    GuidedChoices,
+    LogitBias,
+    PromptBatch,
+    StopStrings,
+    StopTokenIds,
+    TokenBatch,
+    TokenIds,
+    ToolList,
+)
 
 
 class APIError(Exception):
@@ -98,8 +110,8 @@ class _Request(BaseModel):
     top_p: float | None = None
     top_k: int | None = None  # vLLM extension
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM extension
+    stop: str | StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
     n: int | None = 1  # samples (choices) to return; null: 1
     stream: bool = False
@@ -108,13 +120,13 @@ class _Request(BaseModel):
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = 1.0  # vLLM extension
     min_tokens: int = 0  # vLLM extension
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None
     # structured output (structured.py): OpenAI's response_format; vLLM's guided_* and structured_outputs
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: GuidedChoices | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM extension: token ids of the prompt and the output in the response
@@ -124,7 +136,7 @@ class _Request(BaseModel):
     # our extension: this request's first-token deadline in seconds (overrides --first-token-slo-s); a number only
     first_token_slo_s: float | None = Field(None, strict=True)
     # our extension: a weighted mix of loaded adapters served as one (PEFT's "cat" combination); numbers only
-    adapters: dict[str, StrictFloat] | None = None
+    adapters: AdapterWeights | None = None
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -195,7 +207,7 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | TokenIds | PromptBatch | TokenBatch
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
@@ -282,7 +294,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str
-    content: str | list[dict[str, Any] | str] | None = None
+    content: str | ContentParts | None = None
     name: str | None = None  # passed to the chat template, as vLLM does
     # a tool call's history: refused when set (tools are not supported; dropping them would change the prompt)
     tool_calls: list[Any] | None = None
@@ -309,11 +321,11 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: ToolList | None = None
     add_generation_prompt: bool = True  # vLLM extension
     # vLLM's chat extensions that change the prompt or the answer's text, also unimplemented
     vllm_unimplemented: ClassVar[dict[str, Any]] = {**VLLM_UNIMPLEMENTED, "echo": False,
@@ -378,7 +390,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = Field(None, max_length=1024)
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES, fail_fast=True)
     add_special_tokens: bool | None = None  # vLLM's default: true for a prompt, false for messages (the template's)
     add_generation_prompt: bool = True  # messages only
     return_token_strs: bool | None = False
