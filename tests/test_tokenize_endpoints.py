@@ -363,3 +363,23 @@ def test_still_serves_a_completion_after_the_errors(http, hf_tok):
     choice = r.json()["choices"][0]
     assert choice["prompt_token_ids"] == hf_tok.encode(PROMPTS[0]) and len(choice["token_ids"]) >= 1
     assert json.loads(http.post("/tokenize", json={"prompt": PROMPTS[0]}).text)["tokens"] == choice["prompt_token_ids"]
+
+
+def test_a_streamed_completion_gives_each_choice_the_prompt_ids_in_its_first_chunk(http, hf_tok):
+    """As non-streamed completions and streamed chats do (vLLM's return_token_ids): it once never came."""
+    rng = np.random.default_rng()
+    prompt = PROMPTS[int(rng.integers(len(PROMPTS)))]
+    body = {"model": BASE_NAME, "prompt": prompt, "max_tokens": 4, "n": 2, "seed": int(rng.integers(2**31)),
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    seen: dict[int, list] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            seen.setdefault(choice["index"], []).append(choice)
+    assert sorted(seen) == [0, 1]
+    for choices in seen.values():
+        assert choices[0]["prompt_token_ids"] == hf_tok.encode(prompt)
+        assert all("prompt_token_ids" not in c for c in choices[1:])
+        assert len([t for c in choices for t in c["token_ids"]]) == 4

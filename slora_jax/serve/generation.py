@@ -99,6 +99,9 @@ class Generation:
         self.logprobs = {c.index: ChoiceLogprobs(prepared.kind, texts, prepared.prompt_ids)
                          for c in self.choices} if asked else {}
         self.echo_pending = {c.index for c in self.choices} if prepared.echo_text is not None else set()
+        # completions choices whose first chunk is still to carry the prompt's ids (chat's role chunk carries them)
+        ids_first = prepared.kind == "completion" and prepared.return_token_ids
+        self.prompt_ids_pending = {c.index for c in self.choices} if ids_first else set()
         # outputs that queued up may be joined before they are read: not with stop strings (the tokens after a
         # match must be dropped one output at a time) nor logprobs (kept per output)
         self._mergeable = not sp.stop and not self.logprobs
@@ -209,7 +212,8 @@ class Generation:
     def _chunk(self, index: int, text: str, finish_reason: str | None, ids: list[int] | None,
                role: bool = False) -> str:
         ids = ids if self.req.return_token_ids else None
-        if not (role or self.logprobs or index in self.echo_pending):  # the plain chunk of nearly every token
+        if not (role or self.logprobs or index in self.echo_pending or index in self.prompt_ids_pending):
+            # the plain chunk of nearly every token
             return self.template.event(index, text, finish_reason, ids)
         if index in self.echo_pending:  # the answer starts with the prompt
             self.echo_pending.discard(index)
@@ -222,7 +226,8 @@ class Generation:
         choice["index"] = index
         if self.logprobs and not role:
             choice["logprobs"] = self.logprobs[index].take()
-        if role and self.req.return_token_ids:
+        if (role or index in self.prompt_ids_pending) and self.req.return_token_ids:
+            self.prompt_ids_pending.discard(index)
             choice["prompt_token_ids"] = self.req.prompt_ids
         body = envelope(self.req.kind, self.rid, self.req.model, [choice], chunk=True, created=self.created)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
