@@ -41,8 +41,17 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
+def validation_param(exc: RequestValidationError) -> str | None:
+    """The top-level field the first validation error is in (OpenAI's ``param``), None for the body as a whole."""
+    for err in exc.errors()[:1]:
+        loc = [x for x in err.get("loc", ()) if x != "body"]
+        if loc and isinstance(loc[0], str) and err.get("type") != "json_invalid":
+            return loc[0]
+    return None
+
+
 async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_response(400, validation_message(exc))
+    return error_response(400, validation_message(exc), validation_param(exc))
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -318,9 +318,10 @@ class RequestBuilder:
             check_text(s, "stop")
         try:
             sampling = req.sampling_params(default_max_tokens)
-        except ValueError as e:  # the sampler's messages start with the field they refuse
-            field = str(e).split(" ", 1)[0]
-            raise APIError(400, str(e), field if field in type(req).model_fields else None) from None
+        except ValueError as e:  # the sampler's messages name the field they refuse ("each stop string ...")
+            fields = type(req).model_fields
+            field = next((w for w in str(e).replace(",", " ").split() if w in fields), None)
+            raise APIError(400, str(e), field) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         spec, field = grammar_spec(req) or (None, None)  # the fields checked now; compiled by _with_grammar
         return PreparedRequest(kind, req.model, adapter, prompt_ids, sampling, req.return_token_ids, req.stream,
