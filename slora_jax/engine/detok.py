@@ -18,6 +18,9 @@ Three things make naive deltas wrong, and all are handled here:
   until they can no longer start a stop string, so text that a stop string later swallows is never sent. As in
   vLLM, stop strings are looked for only once more than ``min_tokens`` tokens exist, in text that ends past the
   ``min_tokens``-th token's.
+* The tokenizer's special tokens, which the decode skips, never enter the window: a long run of them (EOS under
+  ``ignore_eos``) once made each later token re-decode the whole run twice (quadratic), and counted towards
+  MAX_PENDING while a character waited for its last byte.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.min_tokens = min_tokens
         self.ids: list[int] = []  # the generated ids
+        # ids the decode skips (it skips special tokens): never in the window, where they change no text
+        self._skipped = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
         self._window = [int(t) for t in list(prompt_ids)[-CONTEXT:]]  # prompt context + generated ids, to decode
         self.text = ""  # decoded so far (committed), already cut at a stop string if one matched
         self.sent = 0  # characters of ``text`` handed out by take()
@@ -58,7 +63,7 @@ class IncrementalDetokenizer:
             self.add(new_ids[:below])
             new_ids = new_ids[below:]
         self.ids.extend(new_ids)
-        self._window.extend(new_ids)
+        self._window.extend(t for t in new_ids if t not in self._skipped)
         start = len(self.text)
         self._commit(final)
         if len(self.ids) <= self.min_tokens:

@@ -17,8 +17,9 @@ class BackendDecoder:
     three times its cost of Python (argument conversion, batch checks), run on the event loop for every token.
     Only for a tokenizer whose decode is exactly the backend's (:meth:`wrap` checks: no space clean-up)."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, all_special_ids=()):
         self._backend = backend
+        self.all_special_ids = list(all_special_ids)  # what the detokenizer leaves out of its window
 
     @classmethod
     def wrap(cls, tokenizer):
@@ -26,7 +27,7 @@ class BackendDecoder:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
             return tokenizer
-        return cls(backend)
+        return cls(backend, getattr(tokenizer, "all_special_ids", None) or ())
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
