@@ -1,7 +1,7 @@
 """Per-request incremental detokenization with stop strings: one per request, kept by the engine (offline callers)
 or by the server (which watches stop strings off the engine thread and aborts).
 
-Three things make naive deltas wrong, and all are handled here:
+Three things make naive deltas wrong and one makes them slow; all are handled here:
 
 * A SentencePiece decoder (Llama-2, Mistral: ``Strip``/``Metaspace``) drops the leading space of the first token it
   decodes, so output ids decoded alone lose the space that separates the answer from the prompt ("sea", not
