@@ -433,6 +433,73 @@ def test_a_raising_callback_leaves_no_other_failed_request_unfinished(tiny_dir, 
     _audit(eng)
 
 
+def test_a_failed_request_aborted_before_its_failure_was_reported_ends_once(tiny_dir, adapter_dirs, monkeypatch):
+    """Early abort takes a request past its deadline out of the queue, then admission raises (a device error): the
+    step raises before the request's failure is reported. The server aborts it (its one final output); the next
+    step once ended it again. A request waiting beside it is served as if alone."""
+    eng = _make(tiny_dir, adapter_dirs, dataclasses.replace(BIG, early_abort=True))
+    rng = np.random.default_rng()
+    sp = SamplingParams(max_tokens=5, **GREEDY)
+    late_prompt, prompt = _prompt(rng, eng.cfg.vocab_size), _prompt(rng, eng.cfg.vocab_size)
+    expected = _alone(eng, prompt, ADAPTERS[1], sp)
+    got: list = []
+    late = eng.add_request(late_prompt, ADAPTERS[0], sp, first_token_slo_s=1e-4, on_output=got.append)
+    other = eng.add_request(prompt, ADAPTERS[1], sp)
+    time.sleep(0.01)  # the deadline passes before the next schedule
+    real_admit = eng.scheduler._admit
+
+    def admit_failing():
+        raise RuntimeError("INTERNAL: admission failed (simulated)")
+
+    monkeypatch.setattr(eng.scheduler, "_admit", admit_failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        eng.step()
+    assert got == []  # its failure was not reported yet
+    monkeypatch.setattr(eng.scheduler, "_admit", real_admit)
+    assert eng.abort(late)
+    assert [(o.finished, o.finish_reason) for o in got] == [(True, "abort")]
+    _serve_to_the_end(eng, [other], [expected])  # every output error-free: no second end of the late one
+    assert len(got) == 1, got
+
+
+class _FailedOnDevice:
+    """A step's output whose computation failed on the device: reading it raises (as a jax.Array does)."""
+
+    def __array__(self, *args, **kwargs):
+        raise RuntimeError("INTERNAL: the step failed on the device (simulated)")
+
+
+def test_a_step_whose_batch_was_aborted_is_not_read_back(tiny_dir, adapter_dirs, monkeypatch):
+    """A decode fails on the device; the step after it (queued behind it, fed its tokens) fails too. Reading the
+    first back raises; the server aborts the running batch. The second, whose every request is now aborted, must not
+    be read back: its error would fail the next step, and with it a new request that has nothing to do with it."""
+    eng = _make(tiny_dir, adapter_dirs, BIG)  # its own engine: its runner is made to fail
+    rng = np.random.default_rng()
+    sp = SamplingParams(max_tokens=8, **GREEDY)
+    hurt_prompt, prompt = _prompt(rng, eng.cfg.vocab_size), _prompt(rng, eng.cfg.vocab_size)
+    expected = _alone(eng, prompt, ADAPTERS[1], sp)
+    hurt = eng.add_request(hurt_prompt, ADAPTERS[0], sp)
+    eng.step()  # its prefill queued
+    real_decode = eng.runner.decode
+
+    def decode_failing_on_device(params, pool, table, items, prev_tokens=None, lora="all"):
+        if isinstance(prev_tokens, _FailedOnDevice):
+            prev_tokens = None  # a real step would take the failed tokens and fail too
+        _, pool = real_decode(params, pool, table, items, prev_tokens, lora=lora)
+        return _FailedOnDevice(), pool
+
+    monkeypatch.setattr(eng.runner, "decode", decode_failing_on_device)
+    eng.step()  # the failing decode queued, the prefill read back
+    with pytest.raises(RuntimeError, match="simulated"):
+        eng.step()  # the next decode queued behind it; reading the failed one raises
+    monkeypatch.setattr(eng.runner, "decode", real_decode)
+    for rid in eng.running_request_ids():  # what the server's engine loop does after a failed step
+        assert eng.abort(rid)
+    assert eng.requests[hurt].status == Status.FINISHED
+    fresh = eng.add_request(prompt, ADAPTERS[1], sp)
+    _serve_to_the_end(eng, [fresh], [expected])
+
+
 def test_min_tokens_beyond_what_fits_is_refused_naming_it(eng):
     """With max_tokens left to the engine (as many as fit), a min_tokens above that is refused up front; a huge one
     once reached the step's inputs and failed there with an OverflowError."""
