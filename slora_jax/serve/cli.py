@@ -21,8 +21,11 @@ from pallas_kernels.backends import backend_names
 from ..engine.config import MIN_POOL_BATCH, ROW_TOKENS, EngineConfig
 from ..engine.policies import POLICIES
 from .config import (
+    BODY_BYTES_BESIDE_PROMPT,
+    BODY_BYTES_PER_PROMPT_CHAR,
     DEFAULT_MAX_MODEL_LEN,
     DEFAULT_TENANT_HEADER,
+    MIN_BODY_BYTES,
     PROMPT_CHARS_PER_TOKEN,
     ServerConfig,
     check_api_key,
@@ -143,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $SLORA_JAX_API_KEY; an empty key is "
                    "refused); also turns off /docs, /redoc and /openapi.json")
     s.add_argument("--max-body-bytes", type=positive_int, default=None, help="largest request body, 413 beyond "
-                   "(default: 6 bytes a prompt character plus 1 MiB, at least 4 MiB)")
+                   f"(default: {BODY_BYTES_PER_PROMPT_CHAR} bytes a prompt character plus "
+                   f"{BODY_BYTES_BESIDE_PROMPT >> 20} MiB, at least {MIN_BODY_BYTES >> 20} MiB)")
     s.add_argument("--max-prompt-chars", type=int, default=None,
                    help=f"longest text prompt or chat, in characters (default: {PROMPT_CHARS_PER_TOKEN} per token of "
                    "--max-model-len)")
