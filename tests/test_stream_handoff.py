@@ -24,9 +24,10 @@ from slora_jax.engine.sequence import RequestOutput
 from slora_jax.serve.choices import BackendDecoder
 from slora_jax.serve.engine_thread import EngineThread
 from slora_jax.serve.generation import merge_outputs
-from slora_jax.serve.protocol import ChunkTemplate, chat_delta, completion_choice, envelope
+from slora_jax.serve.protocol import ChunkTemplate, chat_delta, completion_choice, envelope, json_line
 
-ALPHABET = list("ab \"\\/\n\t\x00\x1f\x7f") + ["\u00e9", "\u4e2d", "\U0001f600", "\u2028", "</script>"]
+ALPHABET = list("ab \"\\/\n\r\t\x00\x0b\x1c\x1f\x7f\x85") + ["\u00e9", "\u4e2d", "\U0001f600", "\u2028", "\u2029",
+                                                             "</script>"]
 
 
 def _random_text(rng, n: int) -> str:
@@ -49,8 +50,9 @@ def test_chunk_template_writes_what_json_dumps_writes(kind):
         choice["index"] = index
         want = envelope(kind, rid, model, [choice], chunk=True, created=created)
         got = ChunkTemplate(kind, rid, model, created).event(index, text, finish, ids)
-        assert got == f"data: {json.dumps(want, ensure_ascii=False)}\n\n"
+        assert got == f"data: {json_line(want)}\n\n"
         assert json.loads(got[6:]) == want
+        assert got.splitlines() == [got[:-2], ""]  # one line to every reader, str.splitlines' too
 
 
 def test_backend_decoder_decodes_as_the_tokenizer(tmp_path):

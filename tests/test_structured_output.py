@@ -13,7 +13,9 @@ import asyncio
 import json
 import re
 
+import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -293,3 +295,36 @@ def test_slow_grammars_hold_up_no_plain_request(srv, client, monkeypatch):
         finally:
             gate.set()
         assert all(f.result().choices[0].text in (f"yes{i}", f"no{i}") for i, f in enumerate(slow))
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_line_break_characters_reach_a_line_reader_intact(srv, kind):
+    """U+0085, U+2028 and U+2029 are line ends to readers built on str.splitlines (httpx's aiter_lines), so a chunk
+    carrying one raw was cut in two there; streamed text holding them must come back whole, template chunks and
+    logprob chunks alike."""
+    rng = np.random.default_rng()
+    breaks = ["\x85", "\u2028", "\u2029"]
+    choice = "".join(f"{rng.choice(list('xyz'))}{breaks[i]}" for i in rng.permutation(3)) + "!"
+    path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+    asked = {"prompt": "Say it."} if kind == "completion" else {"messages": [{"role": "user", "content": "Say it."}]}
+
+    async def stream(logprobs: bool) -> str:
+        body = {"model": BASE_NAME, "max_tokens": 32, "stream": True, "guided_choice": [choice], **asked}
+        if logprobs:
+            body.update({"logprobs": 1} if kind == "completion" else {"logprobs": True, "top_logprobs": 1})
+        text = ""
+        async with httpx.AsyncClient(base_url=srv.base_url.removesuffix("/v1"), timeout=120) as client:
+            async with client.stream("POST", path, json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        delta = json.loads(line.removeprefix("data: "))["choices"][0]
+                        text += delta["text"] if kind == "completion" else delta["delta"].get("content") or ""
+                    else:
+                        assert line in ("", "data: [DONE]"), line
+        return text
+
+    async def run():
+        return await asyncio.gather(stream(False), stream(True))
+
+    assert asyncio.run(run()) == [choice, choice]

@@ -37,7 +37,17 @@ from .choices import BackendDecoder, Choice
 from .engine_thread import EngineHandle, EngineUnavailable, RequestStream
 from .logprob_format import ChoiceLogprobs, TokenTexts
 from .metrics import ServerMetrics
-from .protocol import APIError, ChunkTemplate, chat_choice, chat_delta, completion_choice, envelope, new_id, usage
+from .protocol import (
+    APIError,
+    ChunkTemplate,
+    chat_choice,
+    chat_delta,
+    completion_choice,
+    envelope,
+    json_line,
+    new_id,
+    usage,
+)
 from .request_builder import PreparedRequest
 
 # RequestOutput.error_kind values: the request's own fault (400), and a first-token deadline missed (503)
@@ -230,7 +240,7 @@ class Generation:
             self.prompt_ids_pending.discard(index)
             choice["prompt_token_ids"] = self.req.prompt_ids
         body = envelope(self.req.kind, self.rid, self.req.model, [choice], chunk=True, created=self.created)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return f"data: {json_line(body)}\n\n"
 
     async def events(self) -> AsyncIterator[str]:
         try:

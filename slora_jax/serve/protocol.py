@@ -465,22 +465,32 @@ def envelope(kind: Literal["completion", "chat"], rid: str, model: str, choices:
     return body
 
 
+# JSON may carry U+0085, U+2028 and U+2029 raw, but line readers built on str.splitlines (httpx's aiter_lines
+# among them) end a line there and cut an SSE event in two; escaped, they reach every client intact.
+_SPLITLINES_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def json_line(value: Any) -> str:
+    """``json.dumps(value, ensure_ascii=False)`` with no character that any line reader takes for a line end."""
+    return json.dumps(value, ensure_ascii=False).translate(_SPLITLINES_BREAKS)
+
+
 class ChunkTemplate:
     """The SSE event of a plain stream chunk (one choice's text, finish reason and token ids; no logprobs) as
-    ``json.dumps(envelope(..., chunk=True))`` writes it, byte for byte, from a prefix built once per request: a
+    ``json_line(envelope(..., chunk=True))`` writes it, byte for byte, from a prefix built once per request: a
     stream sends one per token, and at batch 256 the dict building and encoding of every chunk was a share of
     the event loop's work (and of the GIL the engine's step loop needs)."""
 
     def __init__(self, kind: Literal["completion", "chat"], rid: str, model: str, created: int):
         head = envelope(kind, rid, model, [], chunk=True, created=created)
         self.kind = kind
-        self.prefix = "data: " + json.dumps(head, ensure_ascii=False)[:-2] + '{"index": '
+        self.prefix = "data: " + json_line(head)[:-2] + '{"index": '
 
     def event(self, index: int, text: str, finish_reason: str | None, token_ids: list[int] | None) -> str:
         if self.kind == "completion":
-            body = ', "text": ' + json.dumps(text, ensure_ascii=False)
+            body = ', "text": ' + json_line(text)
         else:
-            body = ', "delta": ' + ('{"content": ' + json.dumps(text, ensure_ascii=False) + "}" if text else "{}")
+            body = ', "delta": ' + ('{"content": ' + json_line(text) + "}" if text else "{}")
         fin = "null" if finish_reason is None else json.dumps(finish_reason)
         ids = "" if token_ids is None else ', "token_ids": [' + ", ".join(map(str, token_ids)) + "]"
         return f'{self.prefix}{index}{body}, "logprobs": null, "finish_reason": {fin}{ids}}}]}}\n\n'
