@@ -171,8 +171,7 @@ def test_bad_field_is_refused_with_a_reason(http, probe_before, path, body):
                                           ("stop", ["s"] * (MAX_STOP_STRINGS + 1)), ("temperature", 101),
                                           ("min_tokens", 3)])
 def test_a_sampling_refusal_names_its_field(http, probe_before, field, value):
-    """The sampler's message names the field it refuses; the error's param says which ("each stop string ..." once
-    had none)."""
+    """The sampler names the field it refuses; the error's param says which (the stop-string length once had none)."""
     err = assert_refused(post(http, "/v1/completions", {**COMPLETION, field: value}))
     assert err["param"] == field, err
 

@@ -12,6 +12,7 @@ from slora_jax.engine.sampling import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    InvalidSampling,
     SamplingArrays,
     SamplingParams,
     sampling_arrays,
@@ -94,10 +95,15 @@ def test_same_seed_and_counter_repeat_and_counters_differ():
                                  dict(stop=("s",) * (MAX_STOP_STRINGS + 1)),
                                  dict(stop=("s" * (MAX_STOP_STRING_CHARS + 1),)),
                                  dict(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1))),
-                                 dict(stop_token_ids=(2**31,)), dict(stop_token_ids=(-1,))])
+                                 dict(stop_token_ids=(2**31,)), dict(stop_token_ids=(-1,)), dict(logprobs=21),
+                                 dict(prompt_logprobs=-1), dict(presence_penalty=2.5), dict(frequency_penalty=-3.0),
+                                 dict(repetition_penalty=0.0), dict(logit_bias=((1, 0.5), (1, 0.5))),
+                                 dict(logit_bias=((1, 101.0),)), dict(min_tokens=-1), dict(max_tokens=4, min_tokens=5)])
 def test_invalid_sampling_values_are_rejected(bad):
-    with pytest.raises(ValueError):
+    """Refused with the field that is wrong (the last one given: the others are valid), named in the message too."""
+    with pytest.raises(InvalidSampling) as refused:
         SamplingParams(**bad).validate()
+    assert refused.value.field == list(bad)[-1] and refused.value.field in str(refused.value)
 
 
 @pytest.mark.parametrize("top_p", [1e-38, 1e-45, 5e-324, 1e-7])

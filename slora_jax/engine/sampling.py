@@ -28,6 +28,15 @@ MAX_LOGIT_BIAS = 300  # logit_bias entries per request; the prefill step carries
 MAX_REPETITION_PENALTY = 100.0
 
 
+class InvalidSampling(ValueError):
+    """A sampling value the engine will not serve; ``field`` names the :class:`SamplingParams` field it refuses (the
+    OpenAI name, so the server can point a client at its own request field)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings, OpenAI/vLLM names. temperature 0 = greedy."""
@@ -55,31 +64,33 @@ class SamplingParams:
                     or self.logit_bias)
 
     def validate(self, max_model_len: int | None = None) -> SamplingParams:
-        """Raise ValueError with a clear message for values we will not serve. A top_k beyond the vocabulary is
-        valid (it keeps every token, like 0)."""
+        """Raise :class:`InvalidSampling` (a ValueError) with a clear message for values we will not serve. A top_k
+        beyond the vocabulary is valid (it keeps every token, like 0)."""
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
-            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+            raise InvalidSampling("max_tokens", f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if max_model_len is not None and self.max_tokens is not None and self.max_tokens > max_model_len:
-            raise ValueError(f"max_tokens {self.max_tokens} exceeds the model's context of {max_model_len} tokens")
+            raise InvalidSampling("max_tokens", f"max_tokens {self.max_tokens} exceeds the model's context of "
+                                                f"{max_model_len} tokens")
         if not _is_real(self.temperature) or not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+            raise InvalidSampling("temperature", f"temperature must be in [0, 100], got {self.temperature!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+            raise InvalidSampling("top_k", f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidSampling("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+            raise InvalidSampling("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
-                             "are accepted")
+            raise InvalidSampling("stop_token_ids", f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most "
+                                                    f"{MAX_STOP_TOKEN_IDS} are accepted")
         if any(not _is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be token ids (non-negative integers)")
+            raise InvalidSampling("stop_token_ids", "stop_token_ids must be token ids (non-negative integers)")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are accepted")
+            raise InvalidSampling("stop", f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are "
+                                          "accepted")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be non-empty strings")
+            raise InvalidSampling("stop", "stop must be non-empty strings")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
-            raise ValueError(f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+            raise InvalidSampling("stop", f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
         self._validate_logprobs_and_penalties()
         return self
 
@@ -87,25 +98,27 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
             if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {n!r}")
+                raise InvalidSampling(name, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_real(v) or not -2.0 <= v <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+                raise InvalidSampling(name, f"{name} must be in [-2, 2], got {v!r}")
         if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got "
-                             f"{self.repetition_penalty!r}")
+            raise InvalidSampling("repetition_penalty", f"repetition_penalty must be in (0, "
+                                                        f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias holds {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are accepted")
+            raise InvalidSampling("logit_bias", f"logit_bias holds {len(self.logit_bias)} entries; at most "
+                                                f"{MAX_LOGIT_BIAS} are accepted")
         ids = [t for t, _ in self.logit_bias]
         if any(not _is_int(t) or not 0 <= t <= INT32_MAX for t in ids) or len(set(ids)) != len(ids):
-            raise ValueError("logit_bias keys must be distinct token ids (non-negative integers)")
+            raise InvalidSampling("logit_bias", "logit_bias keys must be distinct token ids (non-negative integers)")
         if any(not _is_real(b) or not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
-            raise ValueError("logit_bias values must be numbers in [-100, 100]")
+            raise InvalidSampling("logit_bias", "logit_bias values must be numbers in [-100, 100]")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            raise InvalidSampling("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+            raise InvalidSampling("min_tokens", f"min_tokens ({self.min_tokens}) exceeds max_tokens "
+                                                f"({self.max_tokens})")
 
     @functools.cached_property
     def host_row(self) -> tuple:

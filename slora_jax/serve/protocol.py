@@ -171,7 +171,7 @@ class _Request(BaseModel):
         return 1 if self.n is None else self.n
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        """SamplingParams with OpenAI's defaults (temperature 1, top_p 1); raises ValueError on bad values.
+        """SamplingParams with OpenAI's defaults (temperature 1, top_p 1); raises InvalidSampling on bad values.
 
         ``default_max_tokens`` applies when the client gave none; None leaves it to the engine (as many as fit)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -25,7 +25,7 @@ from typing import Literal
 
 from ..engine.engine import RequestRejected
 from ..engine.grammar import GrammarMatcher, GrammarSpec
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import InvalidSampling, SamplingParams
 from ..lora.errors import AdapterError
 from .config import DEFAULT_TENANT_HEADER, MAX_TENANT_CHARS
 from .protocol import (
@@ -318,10 +318,8 @@ class RequestBuilder:
             check_text(s, "stop")
         try:
             sampling = req.sampling_params(default_max_tokens)
-        except ValueError as e:  # the sampler's messages name the field they refuse ("each stop string ...")
-            fields = type(req).model_fields
-            field = next((w for w in str(e).replace(",", " ").split() if w in fields), None)
-            raise APIError(400, str(e), field) from None
+        except InvalidSampling as e:  # the sampler's fields carry OpenAI's names, most of them the request's too
+            raise APIError(400, str(e), e.field if e.field in type(req).model_fields else None) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         spec, field = grammar_spec(req) or (None, None)  # the fields checked now; compiled by _with_grammar
         return PreparedRequest(kind, req.model, adapter, prompt_ids, sampling, req.return_token_ids, req.stream,
