@@ -3,6 +3,8 @@ has rows unless --max-loras says otherwise, and the engine built from the flags 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import pytest
 
@@ -167,3 +169,29 @@ def test_no_mid_buckets_turns_the_platform_midpoints_off(tiny_dir, monkeypatch):
             assert (decode in ecfg.decode_buckets) if decode else all(b & (b - 1) == 0 for b in ecfg.decode_buckets)
         finally:
             engine.store.close()
+
+
+def test_adapter_dir_skips_subdirs_whose_names_no_client_could_use(tiny_dir, tiny_cfg, tmp_path, caplog):
+    """A subdir's name is the adapter's model name: one that is not UTF-8 (a lone surrogate once made every
+    listing a 500), holds a control character, is the base model's or a mix's is skipped with its reason; the rest
+    register."""
+    import os
+
+    from slora_jax.serve.cli import register_adapters
+    from slora_jax.tools import synth
+
+    good = ["ad-1", "caf\u00e9"]
+    bad = [b"bad\xff", b"new\nline", b"tiny", b"mix:evil"]
+    for raw in [os.fsencode(n) for n in good] + bad:
+        synth.write_adapter(Path(os.fsdecode(os.fsencode(tmp_path) + b"/" + raw)), tiny_cfg, rank=4, seed=1)
+    ecfg = EngineConfig(max_batch_size=4, num_pages=64, max_model_len=64, max_prefill_tokens=64, max_loras=4,
+                        max_lora_rank=8, dtype="float32")
+    engine = Engine.from_model_dir(tiny_dir, ecfg, progress=False)
+    try:
+        register_adapters(engine, "tiny", {}, [tmp_path])
+        assert sorted(engine.adapter_names()) == sorted(good)
+        assert "4 of 6 adapters" in caplog.text
+        for name in ("bad\\udcff", "new\\nline", "base model", "mixes"):
+            assert name in caplog.text, name
+    finally:
+        engine.store.close()

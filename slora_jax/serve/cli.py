@@ -249,7 +249,11 @@ def register_adapters(engine, base_name: str, lora_modules: dict[str, Path], ada
             if engine.has_adapter(adapter_name):
                 continue
             try:  # one bad adapter among thousands must not stop the server: skip it with its reason
+                admin.check_name(adapter_name)  # a directory's name is a client's model name, as a runtime load's
                 engine.register_adapter(adapter_name, path)
+            except APIError as e:
+                log.warning("skipping %s: %s", path, e.message)
+                skipped += 1
             except (AdapterError, ValueError) as e:
                 log.warning("skipping %s", e)
                 skipped += 1
