@@ -9,6 +9,7 @@ import pytest
 
 from slora_jax.engine.detok import MAX_PENDING, IncrementalDetokenizer
 from slora_jax.engine.sequence import RequestOutput
+from slora_jax.engine.token_bytes import incomplete_tail, token_bytes
 from slora_jax.serve.choices import BackendDecoder, Choice
 from slora_jax.serve.generation import merge_outputs
 from slora_jax.tools.tokenizer import load_tokenizer, write_tokenizer
@@ -138,19 +139,40 @@ def test_merged_outputs_never_commit_a_split_character(byte_tok):
         assert streamed == choice.text == text, size
 
 
-@pytest.mark.parametrize("which", ["byte_tok", "sp_tok"])
+class _TextOnly:
+    """A tokenizer whose token bytes cannot be read (no fast backend): the detokenizer's text-only rules."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.all_special_ids = tokenizer, tokenizer.all_special_ids
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def encode(self, text, **kw):
+        return self.tokenizer.encode(text, **kw)
+
+
+@pytest.fixture(scope="module")
+def byte_text_only(byte_tok):
+    return _TextOnly(byte_tok)
+
+
+@pytest.mark.parametrize("which", ["byte_tok", "sp_tok", "byte_text_only"])
 def test_streamed_text_equals_the_decoded_continuation(request, which):
     """Random texts (multi-byte characters, stop strings, merged outputs, some random ids): what streams equals
     the whole text, which equals the continuation of the prompt's decoding cut at the first stop string. Random
     ids only for byte-level BPE: a byte-fallback decoder turns a valid byte token into U+FFFD when invalid bytes
     precede it in one group, which a window of the last tokens cannot see (vLLM's neither)."""
     tok = request.getfixturevalue(which)
-    rng = random.Random(0)
-    alphabet = [*"abcde xyz.,\n", "\u00e9", "\u00f6", "\u20ac", "\U0001f600", "\u4e2d", "\u6587"]
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    # U+FFFD itself too: real ones once made a forced commit take a split character's first bytes for clean text
+    alphabet = [*"abcde xyz.,\n", "\u00e9", "\u00f6", "\u20ac", "\U0001f600", "\u4e2d", "\u6587", "\ufffd",
+                "\ufffd" * 6]
     for _ in range(300):
         p_ids = tok.encode("Hello there")
         ids = tok.encode("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))), add_special_tokens=False)
-        if which == "byte_tok" and rng.random() < 0.3:
+        if which != "sp_tok" and rng.random() < 0.3:
             ids = [rng.randint(3, 511) for _ in range(rng.randint(1, 20))]
         prefix = tok.decode(p_ids, skip_special_tokens=True)
         full = tok.decode(p_ids + ids, skip_special_tokens=True)[len(prefix):]
@@ -162,7 +184,7 @@ def test_streamed_text_equals_the_decoded_continuation(request, which):
                 for i in range(0, len(ids), size)]
         streamed = run_choice(choice, outs)
         want = full[:full.find(stops[0])] if stops and stops[0] in full else full
-        assert streamed == choice.text == want, (ids, stops)
+        assert streamed == choice.text == want, (seed, ids, stops)
 
 
 class _LongestDecode:
@@ -201,3 +223,34 @@ def test_a_run_of_skipped_special_tokens_keeps_decodes_short_and_the_text_unchan
         assert decoder.longest <= 2 * MAX_PENDING + 8, (which, decoder.longest)
     context = tok.decode(p_ids, skip_special_tokens=True)
     assert texts[0] == texts[1] == tok.decode(p_ids + ids, skip_special_tokens=True)[len(context):]
+
+
+@pytest.mark.parametrize("which", ["byte_tok", "sp_tok"])
+def test_token_bytes_decode_as_the_tokenizer(request, which):
+    """Every token's bytes decode (lossily) to its own decoding, and a text's tokens' bytes join to the text."""
+    tok = request.getfixturevalue(which)
+    table = token_bytes(tok)
+    assert table is not None
+    for i in range(len(tok)):
+        assert table(i).decode("utf-8", "replace").removeprefix(" ") == tok.decode([i]).removeprefix(" "), i
+    rng = random.Random()
+    alphabet = [*"ab z.\n", "\u00e9", "\u20ac", "\U0001f600", "\u4e2d", "\ufffd"]
+    for _ in range(50):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 20)))
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(map(table, ids)).decode().removeprefix(" ") == text.removeprefix(" "), text
+
+
+def test_a_cut_before_an_incomplete_tail_changes_no_character():
+    """Cutting bytes before incomplete_tail's count: the two parts decode to what the whole decodes to, whatever
+    bytes follow (random bytes, biased towards UTF-8 lead and continuation bytes)."""
+    rng = random.Random()
+    pool = [*range(0x80, 0xC0), *range(0xC2, 0xF5), *b"az", 0xC0, 0xF8, 0xFF]
+    for _ in range(5000):
+        data = bytes(rng.choice(pool) for _ in range(rng.randint(0, 8)))
+        more = bytes(rng.choice(pool) for _ in range(rng.randint(0, 4)))
+        cut = len(data) - incomplete_tail(data)
+        assert 0 <= len(data) - cut <= 3
+        head, rest = data[:cut], data[cut:] + more
+        assert head.decode("utf-8", "replace") + rest.decode("utf-8", "replace") == \
+            (data + more).decode("utf-8", "replace"), (data, more)

@@ -113,11 +113,14 @@ def test_chat_logprobs_equal_peft_whole_and_streamed(client, srv):
     for j, entry in enumerate(content):
         want = ref[len(prompt_ids) + j - 1]
         np.testing.assert_allclose(entry.logprob, want[out_ids[j]], rtol=1e-4, atol=1e-6)
-        assert entry.bytes == list(entry.token.encode())
+        # a piece of a character reports its own bytes (below: they join to the text), the others their text's
+        assert entry.bytes == list(entry.token.encode()) if "\ufffd" not in entry.token else \
+            bytes(entry.bytes).decode("utf-8", "replace") == entry.token
         assert len(entry.top_logprobs) == 4
         np.testing.assert_allclose([t.logprob for t in entry.top_logprobs], np.sort(want)[::-1][:4], rtol=1e-4,
                                    atol=1e-6)
         assert [t.token for t in entry.top_logprobs] == [_text(srv, t) for t in np.argsort(-want)[:4]]
+    assert bytes(b for e in content for b in e.bytes).decode("utf-8", "replace") == choice.message.content
     streamed = [e for c in client.chat.completions.create(**body, stream=True)
                 if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]

@@ -328,3 +328,20 @@ def test_line_break_characters_reach_a_line_reader_intact(srv, kind):
         return await asyncio.gather(stream(False), stream(True))
 
     assert asyncio.run(run()) == [choice, choice]
+
+
+def test_chat_logprob_bytes_rebuild_characters_split_over_tokens(srv):
+    """Tokens that are pieces of a character report its bytes (they once reported U+FFFD's), so the entries' bytes
+    join to the text, real U+FFFD included."""
+    rng = np.random.default_rng()
+    chars = ["\u00e9", "\U0001f600", "\u4e2d", "\ufffd", "a"]
+    choice = "".join(chars[i] for i in rng.integers(0, len(chars), 8)) + "\U0001f600!"
+    r = httpx.post(srv.base_url + "/chat/completions", timeout=120, json={
+        "model": BASE_NAME, "messages": [{"role": "user", "content": "Say it."}], "max_tokens": 48,
+        "guided_choice": [choice], "logprobs": True, "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()["choices"][0]
+    assert body["message"]["content"] == choice
+    entries = body["logprobs"]["content"]
+    assert any(e["token"] == "\ufffd" and bytes(e["bytes"]) != "\ufffd".encode() for e in entries)  # split ones
+    assert bytes(b for e in entries for b in e["bytes"]).decode("utf-8") == choice

@@ -8,12 +8,13 @@ Three things make naive deltas wrong and one makes them slow; all are handled he
   " sea"). As vLLM does, decoding starts with the prompt's last :data:`CONTEXT` ids as already-read context and only
   the text past them is output; ``ids`` holds the generated ids only.
 * A token may end inside a multi-byte UTF-8 character (byte-level BPE, SentencePiece byte fallback): the decoded
-  text then ends in U+FFFD until the next token completes it. Text is only committed once it no longer ends in
-  U+FFFD (a window of the last tokens is re-decoded, so each step costs O(window), not O(output)), or once
-  MAX_PENDING tokens wait: a run of lone continuation bytes (which a request can force, e.g. with logit_bias) would
-  otherwise be re-decoded whole at every token. Such a forced commit stops before a trailing incomplete character
-  when dropping at most :data:`MAX_CHAR_TOKENS` - 1 tokens makes the text clean (outputs merged into one ``add``
-  can end inside a character every time), so a valid character is never committed as U+FFFD.
+  text then ends in U+FFFD until the next token completes it. Text is committed (a window of the last tokens is
+  re-decoded, so each step costs O(window), not O(output)) up to the last whole character, which the tokens' bytes
+  say (``token_bytes.py``): a U+FFFD in the text may also be a real one, which text alone cannot tell apart. For a
+  tokenizer whose bytes are unknown the text decides: nothing is committed while it ends in U+FFFD, until
+  MAX_PENDING tokens wait (a run of lone continuation bytes, which a request can force with logit_bias, would
+  otherwise be re-decoded whole at every token); such a forced commit stops before a trailing incomplete character
+  when dropping at most :data:`MAX_CHAR_TOKENS` - 1 tokens leaves fewer trailing U+FFFD.
 * A stop string may arrive split over several tokens: the last ``len(longest stop) - 1`` characters are held back
   until they can no longer start a stop string, so text that a stop string later swallows is never sent. As in
   vLLM, stop strings are looked for only once more than ``min_tokens`` tokens exist, in text that ends past the
@@ -24,6 +25,8 @@ Three things make naive deltas wrong and one makes them slow; all are handled he
 """
 
 from __future__ import annotations
+
+from .token_bytes import incomplete_tail, token_bytes
 
 REPLACEMENT = "\ufffd"
 MAX_PENDING = 16  # tokens held back while the text ends in U+FFFD (a UTF-8 character is at most 4 bytes)
@@ -42,6 +45,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []  # the generated ids
         # ids the decode skips (it skips special tokens): never in the window, where they change no text
         self._skipped = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+        self._bytes = token_bytes(tokenizer)  # each token's bytes: commits end on character boundaries
         self._window = [int(t) for t in list(prompt_ids)[-CONTEXT:]]  # prompt context + generated ids, to decode
         self.text = ""  # decoded so far (committed), already cut at a stop string if one matched
         self.sent = 0  # characters of ``text`` handed out by take()
@@ -76,17 +80,44 @@ class IncrementalDetokenizer:
         full = self._decode(self._window[self._prefix:])
         end = len(self._window)
         if not final and full.endswith(REPLACEMENT):
-            if end - self._read < MAX_PENDING:
-                return
-            # forced: stop before a trailing incomplete character if that leaves clean text (else commit it all)
-            for k in range(end - 1, max(self._read, end - MAX_CHAR_TOKENS), -1):
-                text = self._decode(self._window[self._prefix:k])
-                if not text.endswith(REPLACEMENT) and len(text) > len(prefix_text):
-                    full, end = text, k
-                    break
+            cut = self._character_end(end)
+            if cut is None:  # the tokens' bytes are unknown: the text decides
+                if end - self._read < MAX_PENDING:
+                    return
+                full, end = self._forced(prefix_text, full, end)
+            elif cut < end:  # the tokens from ``cut`` hold the start of a character still to be completed
+                if cut <= self._read:
+                    return
+                full, end = self._decode(self._window[self._prefix:cut]), cut
         if len(full) > len(prefix_text):
             self.text += full[len(prefix_text):]
             self._prefix, self._read = self._read, end
+
+    def _character_end(self, end: int) -> int | None:
+        """Where the pending tokens ``_window[_read:end]`` stop holding whole characters: ``end`` when their bytes
+        end a character (a U+FFFD at the end is real), else the index of the token where an unfinished character
+        starts. None if the tokens' bytes are unknown."""
+        if self._bytes is None:
+            return None
+        pieces = [self._bytes(t) for t in self._window[self._read:end]]
+        if any(p is None for p in pieces):
+            return None
+        tail, k = incomplete_tail(b"".join(pieces)), end
+        while tail > 0:
+            k -= 1
+            tail -= len(pieces[k - self._read])
+        return k
+
+    def _forced(self, prefix_text: str, full: str, end: int) -> tuple[str, int]:
+        """MAX_PENDING tokens wait and their bytes are unknown: commit, but before a trailing incomplete character
+        if fewer tokens decode to a prefix with fewer trailing U+FFFD (the text may hold real ones: counting, not
+        "ends in", finds the split character)."""
+        trailing = _trailing_replacements(full)
+        for k in range(end - 1, max(self._read, end - MAX_CHAR_TOKENS), -1):
+            text = self._decode(self._window[self._prefix:k])
+            if _trailing_replacements(text) < trailing and full.startswith(text) and len(text) > len(prefix_text):
+                return text, k
+        return full, end
 
     def _check_stop(self, new_from: int) -> None:
         """Cut the text at the first stop string that ends past character ``new_from``."""
@@ -103,3 +134,7 @@ class IncrementalDetokenizer:
         out = self.text[self.sent:end]
         self.sent = end
         return out
+
+
+def _trailing_replacements(text: str) -> int:
+    return len(text) - len(text.rstrip(REPLACEMENT))

@@ -19,6 +19,7 @@ class BackendDecoder:
 
     def __init__(self, backend, all_special_ids=()):
         self._backend = backend
+        self.backend_tokenizer = backend  # as the tokenizer's: where the token bytes are read (token_bytes.py)
         self.all_special_ids = list(all_special_ids)  # what the detokenizer leaves out of its window
 
     @classmethod

@@ -7,17 +7,19 @@ to logprobs + 1 elements"; texts that decode alike keep the likelier). Chat (``l
 k``): ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``.
 
 A token's text is its own decoding (byte-level BPE: exact; a token that is part of a multi-byte character decodes to
-U+FFFD, and its ``bytes`` are those of that text). ``text_offset`` counts characters of those texts from the start
-of the choice's text. A logprob of -inf (impossible for the raw logits we report, but JSON has no infinity) is sent
-as -9999.0, as vLLM does.
+U+FFFD, and its ``bytes`` are then the token's own, where the tokenizer's vocabulary says them: ``token_bytes.py``).
+``text_offset`` counts characters of those texts from the start of the choice's text. A logprob of -inf (impossible
+for the raw logits we report, but JSON has no infinity) is sent as -9999.0, as vLLM does.
 """
 
 from __future__ import annotations
 
 import math
 
+from ..engine.detok import REPLACEMENT
 from ..engine.logprobs import TokenLogprob
 from ..engine.sequence import RequestOutput
+from ..engine.token_bytes import token_bytes
 
 FLOOR = -9999.0
 
@@ -32,6 +34,15 @@ class TokenTexts:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes = token_bytes(tokenizer)
+
+    def utf8(self, token_id: int) -> list[int]:
+        """The token's bytes as chat logprobs report them: its text's, unless that holds U+FFFD (a piece of a
+        character, or a real U+FFFD), then the token's own bytes where the tokenizer says them, so that the bytes of
+        consecutive tokens rebuild a character split over them."""
+        text = self(token_id)
+        own = self._bytes(token_id) if self._bytes is not None and REPLACEMENT in text else None
+        return list(own if own is not None else text.encode("utf-8"))
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -93,6 +104,6 @@ class ChoiceLogprobs:
 
     def _chat_entry(self, e: TokenLogprob) -> dict:
         text = self.texts(e.token_id)
-        return {"token": text, "logprob": _finite(e.logprob), "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [{"token": (t := self.texts(i)), "logprob": _finite(lp), "bytes": list(t.encode())}
+        return {"token": text, "logprob": _finite(e.logprob), "bytes": self.texts.utf8(e.token_id),
+                "top_logprobs": [{"token": self.texts(i), "logprob": _finite(lp), "bytes": self.texts.utf8(i)}
                                  for i, lp in e.top]}
