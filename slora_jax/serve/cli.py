@@ -252,7 +252,7 @@ def register_adapters(engine, base_name: str, lora_modules: dict[str, Path], ada
                 admin.check_name(adapter_name)  # a directory's name is a client's model name, as a runtime load's
                 engine.register_adapter(adapter_name, path)
             except APIError as e:
-                log.warning("skipping %s: %s", path, e.message)
+                log.warning("skipping %r: %s", str(path), e.message)  # repr: a name may not be text
                 skipped += 1
             except (AdapterError, ValueError) as e:
                 log.warning("skipping %s", e)
