@@ -311,6 +311,39 @@ def test_a_read_failure_that_may_pass_is_read_again_after_its_wait(make_store, t
     assert info.value.retry_after_s is None and "gone" in store.host.errors()
 
 
+def test_files_replaced_after_registration_fail_their_adapter_alone(make_store, tiny_cfg, tmp_path, rng):
+    """A directory away for a moment (a deploy swapping it) is a failure that passes, as a missing weights file is
+    (it once stood until the adapter was registered again). Files replaced by an adapter of another shape fail that
+    adapter until it is retried (admission sizes it by its registration: a bigger one once hung the engine's queue);
+    retried, the new files serve."""
+    root = tmp_path / "adapters"
+    moved = synth.write_adapter(root / "moved", tiny_cfg, rank=4, seed=seed_of(rng))
+    grown = synth.write_adapter(root / "grown", tiny_cfg, rank=4, seed=seed_of(rng))
+    store = make_store(num_pages=64, max_slots=2)
+    assert store.register_dir(root) == ["grown", "moved"]
+    now = [1000.0]
+    store.host._errors._clock = lambda: now[0]  # noqa: SLF001 - the test drives the failure record's clock
+    moved.rename(tmp_path / "away")
+    with pytest.raises(AdapterError, match="not a directory") as info:
+        store.host.fetch("moved").result(timeout=30)
+    assert info.value.retry_after_s is not None
+    (tmp_path / "away").rename(moved)
+    now[0] += RETRY_AFTER_S + 1
+    store.acquire("moved")
+    assert_holds(store, "moved", load_peft_adapter(moved, tiny_cfg))
+
+    synth.write_adapter(grown, tiny_cfg, rank=8, seed=seed_of(rng), targets=("q_proj", "v_proj", "down_proj"))
+    for _ in range(2):  # and it stands
+        with pytest.raises(AdapterError, match="changed shape") as info:
+            store.acquire("grown")
+        assert info.value.retry_after_s is None
+        now[0] += 10 * RETRY_AFTER_S
+    assert store.host.pages("grown") == store.host.describe(["grown"])["grown"]["pages"] > 0
+    store.host.retry("grown")
+    store.acquire("grown")
+    assert_holds(store, "grown", load_peft_adapter(grown, tiny_cfg))
+
+
 def test_failures_expire_only_for_failed_reads_that_may_pass():
     now = [0.0]
     failures = Failures(clock=lambda: now[0])

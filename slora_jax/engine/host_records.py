@@ -31,6 +31,14 @@ class AdapterEntry:
     reads: tuple[int, float, float | None] = (0, 0.0, None)  # reads from the source: count, seconds summed, last
     ranks: np.ndarray | None = None  # int32 [L, len(MODULES)] from validation (None: registered as failed)
 
+    def check_shape(self, rows) -> None:
+        """Raise if a read's rows (``AdapterRows``) have other ranks than validation found: the files were replaced
+        by an adapter of another shape, and admission sizes the adapter (and checked it fits the pool) by the
+        registered one. A failure that stands until the adapter is registered (or retried) again."""
+        if self.ranks is not None and not np.array_equal(rows.rank, self.ranks):
+            raise AdapterError(self.name, "its files changed shape since it was registered (other ranks or "
+                                          "projections); load it again to serve the new files")
+
 
 @dataclasses.dataclass(eq=False)
 class HostLoad:

@@ -85,8 +85,7 @@ class HostTier:
             t0 = time.perf_counter()
             rows = self._read(entry)
             entry.pages = rows.pages_needed(self.pool.page_rows)
-            seconds = time.perf_counter() - t0
-            entry.reads = (1, seconds, seconds)  # not published yet: no lock needed
+            entry.reads = (1, seconds := time.perf_counter() - t0, seconds)  # not published yet: no lock needed
         with self._lock:
             if name in self._entries:
                 raise ValueError(f"adapter {name!r} is already registered; unregister it first")
@@ -377,8 +376,9 @@ class HostTier:
             log.exception("adapter read listener failed")
 
     def _read(self, entry: AdapterEntry) -> AdapterRows:
-        """Lock not held: the adapter's rows from its source, checked against ``max_rank``."""
+        """Lock not held: the adapter's rows from its source, checked against its registered shape, ``max_rank``."""
         rows = self._reader.load_rows(entry.source, entry.name, self.model_cfg, self.max_rank, self.dtype)
+        entry.check_shape(rows)
         rows = self.pool.shard_rows(rows)  # each device's share side by side when the pool is sharded
         rows.name = entry.name
         if rows.max_rank > self.max_rank:

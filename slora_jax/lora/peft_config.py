@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from slora_jax.lora.adapter_files import open_adapter_file, read_bounded
-from slora_jax.lora.errors import AdapterError, rejecting
+from slora_jax.lora.errors import RETRY_AFTER_S, AdapterError, rejecting
 from slora_jax.lora.patterns import PatternTable, compile_pattern, layer_index, layers_pattern_regex
 from slora_jax.model.config import MODULES, ModelConfig, module_key
 
@@ -58,12 +58,13 @@ def read_adapter_config(path: Path, name: str, roots: tuple[Path, ...] = ()) -> 
 def read_config_bytes(path: Path, name: str, roots: tuple[Path, ...] = ()) -> bytes:
     """The raw bytes of ``path/adapter_config.json``, within :data:`MAX_CONFIG_BYTES`."""
     path = Path(path)
+    # may pass, as a missing file may: a deploy swapping the directory (a registration's failure stands all the same)
     try:
         is_dir = path.is_dir()
     except OSError as e:
-        raise AdapterError(name, f"cannot read {path}: {e.strerror}") from None
+        raise AdapterError(name, f"cannot read {path}: {e.strerror}", RETRY_AFTER_S) from None
     if not is_dir:
-        raise AdapterError(name, f"{path} is not a directory")
+        raise AdapterError(name, f"{path} is not a directory", RETRY_AFTER_S)
     with open_adapter_file(path / CONFIG_NAME, name, roots) as file:
         return read_bounded(file, name, CONFIG_NAME, MAX_CONFIG_BYTES)
 
