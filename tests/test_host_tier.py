@@ -61,6 +61,10 @@ def test_host_cache_is_lru_within_its_byte_budget(make_store, tiny_cfg, rng):
     assert [capped.host.has_rows(n) for n in "ab"] == [False, True]
     assert tiny_budget.host.fetch("a").result(timeout=30).name == "a"
     assert not tiny_budget.host.has_rows("a") and tiny_budget.stats()["host_too_large"] == 1
+    for _ in range(3):  # asked ahead (each step while it waits): no read, whose rows would be thrown away again
+        tiny_budget.prefetch(["a"])
+    time.sleep(0.2)
+    assert tiny_budget.stats()["host_loads"] == 1
     tiny_budget.acquire("a")
     assert_holds(tiny_budget, "a", adapters["a"])
 

@@ -62,7 +62,7 @@ class HostTier:
         self._host: OrderedDict[str, AdapterRows] = OrderedDict()  # least recently used first
         self._host_sizes: dict[str, int] = {}
         self._host_bytes, self._closed = 0, False
-        self._not_kept: set[str] = set()  # read once, and too large for host memory (or none may be kept)
+        self._not_kept: set[str] = set()  # too large for host memory (or none kept): only a pool load reads them
         self._loads: dict[str, HostLoad] = {}
         self._counts: Counter[str] = Counter()
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="adapter-io")
@@ -275,12 +275,12 @@ class HostTier:
 
     def rows_or_read(self, names: Iterable[str]) -> list[tuple[str, AdapterRows]]:
         """(name, rows) of those of ``names`` in host memory (each made most recently used); a read is started for
-        the others, to be staged on the device right after it. Unknown and failed names are skipped."""
+        the others, to be staged on the device right after it. Skipped: unknown, failed and not-kept names."""
         ready = []
         with self._lock:
             for name in names:
                 entry = self._entries.get(name)
-                if entry is None or name in self._errors:
+                if entry is None or name in self._errors or name in self._not_kept:
                     continue
                 rows = self._host.get(name)
                 if rows is None:
