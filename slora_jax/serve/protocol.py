@@ -472,7 +472,11 @@ _SPLITLINES_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2
 
 def json_line(value: Any) -> str:
     """``json.dumps(value, ensure_ascii=False)`` with no character that any line reader takes for a line end."""
-    return json.dumps(value, ensure_ascii=False).translate(_SPLITLINES_BREAKS)
+    text = json.dumps(value, ensure_ascii=False)
+    # three substring checks cost ~0.05 us, the translation ~3 us: a stream writes one chunk per token
+    if "\u2028" in text or "\u2029" in text or "\x85" in text:
+        return text.translate(_SPLITLINES_BREAKS)
+    return text
 
 
 class ChunkTemplate:
