@@ -196,16 +196,16 @@ def test_early_abort_leaves_a_preempted_request_that_met_its_deadline_alone():
 
 
 def test_early_abort_serves_more_within_deadline_than_fcfs():
-    """Over three random overload traces: never fewer within the deadline, and well more in all (one trace alone
-    ranged 1.06-3x of FCFS over 60 seeds, so a 1.2x bound on one trace failed 3% of runs; three summed: >= 1.96x
-    over 30 groups)."""
+    """Over six random overload traces: never fewer within the deadline, and well more in all (one trace alone
+    ranged 1.06-3x of FCFS over 60 seeds, so a 1.2x bound on one trace failed 3% of runs; three summed fell under
+    1.5x in ~0.5% of runs (1.41 and 1.45 in 200); six summed: about 1 in 20,000, resampled)."""
     rng = np.random.default_rng()
 
     def within_slo(seqs):
         return sum(1 for s in seqs if s.first_token_time is not None and s.first_token_time <= s.deadline)
 
     counts = []
-    for _ in range(3):
+    for _ in range(6):
         trace = overload_trace(rng, rate=40.0, seconds=20.0, slo_s=1.0)
         fcfs, *_ = simulate(base_cfg(), trace)
         abort, *_ = simulate(base_cfg(scheduling_policy="slo", early_abort=True), trace)
@@ -250,8 +250,8 @@ def test_vtc_keeps_backlogged_tenants_within_its_bound(policy):
     bound = 2 * largest + ecfg.max_prefill_seqs * largest  # the module docstring's bound for these lengths
     if policy == "vtc":
         assert abs(got["heavy"] - got["light"]) <= bound, got
-    else:  # FCFS: the heavy tenant takes about its share of arrivals, ~10x the light one's
-        assert got["heavy"] > 5 * got["light"], got
+    else:  # FCFS: the heavy tenant takes about its share of arrivals, ~10x the light one's (7.4x mean, 4.9x least
+        assert got["heavy"] > 3 * got["light"], got  # in 800 runs: a 5x bound failed 1 run in ~300)
 
 
 def test_vtc_reserved_slot_goes_to_a_tenant_below_its_share_only_while_it_is_not_ahead():
@@ -319,8 +319,9 @@ def test_vtc_reserved_slots_keep_a_light_tenant_near_its_latency_alone():
                                            until=20.0)[0])
     # without the reserve, the light request waits for a heavy one to finish (the batch is full); with it, only for
     # the step in flight and its own prefill
-    assert reserved <= 2 * alone, (reserved, alone)
-    assert no_reserve > 1.3 * reserved, (no_reserve, reserved)
+    # (25 runs: reserved up to 1.92x alone, no_reserve down to 1.38x reserved; the bounds leave room for the tails)
+    assert reserved <= 2.5 * alone, (reserved, alone)
+    assert no_reserve > 1.15 * reserved, (no_reserve, reserved)
 
 
 def test_vtc_tenant_alone_keeps_every_slot():
