@@ -18,8 +18,7 @@ class BackendDecoder:
     Only for a tokenizer whose decode is exactly the backend's (:meth:`wrap` checks: no space clean-up)."""
 
     def __init__(self, backend, all_special_ids=()):
-        self._backend = backend
-        self.backend_tokenizer = backend  # as the tokenizer's: where the token bytes are read (token_bytes.py)
+        self.backend_tokenizer = backend  # named as the tokenizer's: token_bytes.py reads the token bytes there
         self.all_special_ids = list(all_special_ids)  # what the detokenizer leaves out of its window
 
     @classmethod
@@ -31,7 +30,7 @@ class BackendDecoder:
         return cls(backend, getattr(tokenizer, "all_special_ids", None) or ())
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class Choice:
